@@ -1,0 +1,224 @@
+"""Model tests: cache exactness, block causality, routing against brute force, HF round trips."""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ebpo.masks import block_causal_mask, noisy_clean_mask, noisy_clean_position_ids
+from ebpo.model import BlockKVCache, LLaDA2MoeConfig, LLaDA2MoeModelLM, tiny_config
+
+
+def make_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return LLaDA2MoeModelLM(tiny_config(**overrides)).eval()
+
+
+@pytest.mark.parametrize("block_size,prompt_lens", [(4, (5, 2)), (8, (3, 13)), (6, (7, 6))])
+def test_cached_decoding_matches_full_recompute(block_size, prompt_lens):
+    """Rows with different prefix lengths share a cache; each active block's logits equal a full forward."""
+    model = make_model(block_size=block_size)
+    K, total = block_size, 4 * block_size
+    seqs = torch.randint(8, 100, (2, total))
+    full = [model(seqs[r:r + 1], attention_mask=block_causal_mask(total, K)[None, None]).logits[0] for r in range(2)]
+    cache = BlockKVCache.for_model(model.config, batch_size=2, max_len=total)
+    with torch.no_grad():
+        # Commit each row's complete prompt blocks (block-causal among them), row by row.
+        for r, P in enumerate(prompt_lens):
+            n = (P // K) * K
+            if n:
+                model(seqs[r:r + 1, :n], attention_mask=block_causal_mask(n, K)[None, None],
+                      position_ids=torch.arange(n)[None], past_key_values=cache, cache_rows=[r])
+                cache.commit(n)
+        # Then both rows advance together, one block at a time, each at its own absolute positions.
+        for _ in range(2):
+            starts = [cache.lengths[r] for r in range(2)]
+            pos = torch.stack([torch.arange(s, s + K) for s in starts])
+            ids = torch.stack([seqs[r, s:s + K] for r, s in enumerate(starts)])
+            out = model(ids, position_ids=pos, past_key_values=cache).logits
+            for r, s in enumerate(starts):
+                torch.testing.assert_close(out[r], full[r][s:s + K], atol=1e-5, rtol=1e-4)
+            cache.commit(K)
+
+
+def test_changing_a_block_leaves_earlier_blocks_untouched():
+    model = make_model()
+    K, L = model.config.block_size, 4 * model.config.block_size
+    x = torch.randint(8, 100, (1, L))
+    base = model(x).logits
+    for b in range(1, 4):
+        y = x.clone()
+        y[0, b * K:(b + 1) * K] = torch.randint(8, 100, (K,))
+        out = model(y).logits
+        torch.testing.assert_close(out[0, : b * K], base[0, : b * K], atol=1e-6, rtol=0)
+        assert not torch.allclose(out[0, b * K:(b + 1) * K], base[0, b * K:(b + 1) * K])
+
+
+def test_noisy_clean_layout_clean_half_equals_plain_forward():
+    model = make_model()
+    K, L = model.config.block_size, 3 * model.config.block_size
+    clean = torch.randint(8, 100, (2, L))
+    noisy = clean.masked_fill(torch.rand(2, L) < 0.5, model.config.mask_token_id)
+    out = model(torch.cat([noisy, clean], 1), attention_mask=noisy_clean_mask(L, K)[None, None],
+                position_ids=noisy_clean_position_ids(L)).logits
+    torch.testing.assert_close(out[:, L:], model(clean).logits, atol=1e-5, rtol=1e-4)
+    # Noisy block b equals a forward of [clean blocks < b, noisy block b] under a plain block-causal mask.
+    for b in range(3):
+        ctx = torch.cat([clean[:, : b * K], noisy[:, b * K:(b + 1) * K]], 1)
+        ref = model(ctx).logits[:, b * K:]
+        torch.testing.assert_close(out[:, b * K:(b + 1) * K], ref, atol=1e-5, rtol=1e-4)
+
+
+def brute_force_route(x, weight, bias, n_group, topk_group, top_k, scale):
+    """Plain per-token loops, written independently of the model."""
+    T, E = x.shape[0], weight.shape[0]
+    per = E // n_group
+    idx_out, w_out = [], []
+    for t in range(T):
+        s = [1 / (1 + float(torch.exp(-(x[t].double() @ weight[e].double())))) for e in range(E)]
+        c = [s[e] + float(bias[e]) for e in range(E)]
+        gscore = [sum(sorted(c[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(n_group)]
+        groups = sorted(range(n_group), key=lambda g: -gscore[g])[:topk_group]
+        allowed = [e for e in range(E) if e // per in groups]
+        chosen = sorted(allowed, key=lambda e: -c[e])[:top_k]
+        total = sum(s[e] for e in chosen)
+        idx_out.append(sorted(chosen))
+        w_out.append({e: s[e] / total * scale for e in chosen})
+    return idx_out, w_out
+
+
+def test_routing_matches_brute_force():
+    torch.manual_seed(1)
+    cfg = tiny_config(num_experts=12, n_group=4, topk_group=2, num_experts_per_tok=3)
+    gate = LLaDA2MoeModelLM(cfg).model.layers[1].mlp.gate
+    with torch.no_grad():
+        gate.weight.normal_()
+        gate.expert_bias.copy_(torch.randn(12) * 0.5)  # large bias: selection must differ from weights
+    x = torch.randn(40, cfg.hidden_size) * 0.3
+    idx, w = gate(x)
+    ref_idx, ref_w = brute_force_route(x, gate.weight.detach(), gate.expert_bias, 4, 2, 3, cfg.routed_scaling_factor)
+    for t in range(40):
+        got = sorted(idx[t].tolist())
+        assert got == ref_idx[t]
+        for j, e in enumerate(idx[t].tolist()):
+            assert abs(float(w[t, j]) - ref_w[t][e]) < 1e-5
+
+
+def test_experts_grouped_equals_dense_and_plain_loop_with_grads():
+    torch.manual_seed(2)
+    cfg = tiny_config()
+    experts = LLaDA2MoeModelLM(cfg).model.layers[1].mlp.experts
+    x = torch.randn(30, cfg.hidden_size, requires_grad=True)
+    idx = torch.stack([torch.randperm(cfg.num_experts)[:2] for _ in range(30)])
+    w = torch.rand(30, 2)
+    outs, grads = [], []
+    for impl in ("grouped", "dense", "loop"):
+        experts.zero_grad()
+        x.grad = None
+        if impl == "loop":
+            out = torch.zeros_like(x)
+            rows = []
+            for t in range(30):
+                acc = 0
+                for j in range(2):
+                    e = int(idx[t, j])
+                    h = F.silu(experts.gate_proj[e] @ x[t]) * (experts.up_proj[e] @ x[t])
+                    acc = acc + w[t, j] * (experts.down_proj[e] @ h)
+                rows.append(acc)
+            out = torch.stack(rows)
+        else:
+            experts.impl = impl
+            out = experts(x, idx, w)
+        out.pow(2).sum().backward()
+        outs.append(out.detach())
+        grads.append((x.grad.clone(), experts.gate_proj.grad.clone(), experts.down_proj.grad.clone()))
+    for o, g in zip(outs[1:], grads[1:]):
+        torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-4)
+        for a, b in zip(g, grads[0]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_save_pretrained_round_trip_and_auto_classes(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = make_model()
+    model.save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "llada2_moe"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is LLaDA2MoeModelLM
+    x = torch.randint(8, 100, (2, 19))
+    torch.testing.assert_close(loaded(x).logits, model(x).logits, atol=0, rtol=0)
+
+
+def released_key_names(cfg: LLaDA2MoeConfig) -> set[str]:
+    """Weight names of a released LLaDA2 checkpoint (REFERENCE.md section 1), written out by hand."""
+    keys = {"model.word_embeddings.weight", "model.norm.weight", "lm_head.weight"}
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        keys |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        keys |= {p + f"attention.{m}.weight" for m in ("query_key_value", "query_layernorm", "key_layernorm", "dense")}
+        if n < cfg.first_k_dense_replace:
+            keys |= {p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
+        else:
+            keys |= {p + "mlp.gate.weight", p + "mlp.gate.expert_bias"}
+            keys |= {p + f"mlp.experts.{e}.{m}.weight" for e, m in
+                     itertools.product(range(cfg.num_experts), ("gate_proj", "up_proj", "down_proj"))}
+            keys |= {p + f"mlp.shared_experts.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
+    return keys
+
+
+def test_state_dict_with_released_key_names_loads_exactly(tmp_path):
+    from safetensors.torch import load_file
+
+    model = make_model()
+    model.save_pretrained(tmp_path)
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    assert set(on_disk) == released_key_names(model.config)
+    fresh = make_model(seed=5)
+    result = fresh.load_state_dict(on_disk, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    x = torch.randint(8, 100, (1, 16))
+    torch.testing.assert_close(fresh(x).logits, model(x).logits, atol=0, rtol=0)
+
+
+def test_padding_mask_matches_unpadded_forward():
+    model = make_model()
+    x = torch.randint(8, 100, (1, 11))
+    padded = torch.cat([x, torch.full((1, 5), model.config.pad_token_id)], 1)
+    pad_mask = torch.cat([torch.ones(1, 11), torch.zeros(1, 5)], 1).long()
+    torch.testing.assert_close(model(padded, attention_mask=pad_mask).logits[:, :11], model(x).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_gradient_checkpointing_same_gradients():
+    model = make_model().train()
+    x = torch.randint(8, 100, (2, 16))
+    model(x).logits.logsumexp(-1).sum().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model(x).logits.logsumexp(-1).sum().backward()
+    for p, g in zip(model.parameters(), ref):
+        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("field,overrides", [
+    ("n_group", dict(num_experts=6, n_group=4)),
+    ("topk_group", dict(topk_group=9)),
+    ("num_experts_per_tok", dict(num_experts_per_tok=7)),
+    ("mask_token_id", dict(mask_token_id=500)),
+    ("num_attention_heads", dict(num_attention_heads=3)),
+    ("moe_impl", dict(moe_impl="fast")),
+])
+def test_config_errors_name_the_field(field, overrides):
+    with pytest.raises(ValueError, match=rf"LLaDA2MoeConfig\.{field}"):
+        tiny_config(**overrides)
+
+
+def test_real_presets_build_configs():
+    from ebpo.model import load_preset
+
+    mini = load_preset("mini")
+    assert (mini.hidden_size, mini.num_experts, mini.vocab_size, mini.mask_token_id) == (2048, 256, 157184, 156895)
+    assert load_preset("flash").num_hidden_layers == 32
+    with pytest.raises(ValueError, match="choose one of"):
+        load_preset("huge")
