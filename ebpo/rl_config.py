@@ -1,0 +1,115 @@
+"""Typed configuration of an RL (EBPO) recipe: `ebpo train recipes/rl_*.yaml key=value ...`.
+
+Sections: `model`, `data`, `rollout`, `reward`, `learner` (fields of `ebpo.learner.LearnerConfig`),
+`trainer`, `ray`. Run `python -c "from ebpo.rl_config import RLConfig; from ebpo.config import describe;
+print('\\n'.join(describe(RLConfig)))"` for every key with its documentation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from .config import doc
+
+
+@dataclass
+class DataConfig:
+    train: str = doc("training prompts: .jsonl, .parquet or hf:NAME[:split] (local datasets only)",
+                     "examples/data/math_train.jsonl")
+    eval: Optional[str] = doc("held-out prompts for greedy Quality Mode evaluation; null = no eval", None)
+    prompt_field: str = doc("row field holding the user prompt", "prompt")
+    chat_template: bool = doc("wrap prompts in the tokenizer's chat template", True)
+    max_prompt_tokens: int = doc("longer prompts are cut from the left", 256)
+    shuffle: bool = doc("reshuffle the training rows every epoch (seeded by trainer.seed)", True)
+
+    def validate(self):
+        if self.max_prompt_tokens <= 0:
+            raise ValueError("data.max_prompt_tokens: must be positive")
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = doc("rollout actors; each holds a policy copy", 1)
+    prompts_per_step: int = doc("prompts per RL step", 16)
+    group_size: int = doc("samples per prompt (G); advantages are normalised inside each group", 8)
+    preset: Literal["quality", "speed", "m2t"] = doc("decode preset for rollouts", "speed")
+    decode: dict = doc("DecodeConfig overrides for rollouts, e.g. {temperature: 0.8, max_new_tokens: 32}",
+                       default_factory=dict)
+    eval_preset: Literal["quality", "speed", "m2t"] = doc("decode preset for evaluation (greedy)", "quality")
+    eval_decode: dict = doc("DecodeConfig overrides for evaluation", default_factory=dict)
+    fp8: bool = doc("run rollouts with per-block FP8 linear layers (kernels.fp8)", False)
+    num_threads: int = doc("torch threads per rollout actor (0 = torch default)", 0)
+
+    def validate(self):
+        for name in ("num_workers", "prompts_per_step", "group_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name}: must be >= 1")
+
+
+@dataclass
+class RewardFnConfig:
+    fn: str = doc("built-in reward name (math, code, format_boxed, ...) or module:function / path.py:function")
+    weight: float = doc("weight in the combined score", 1.0)
+    kwargs: dict = doc("extra keyword arguments passed to the reward", default_factory=dict)
+
+
+@dataclass
+class RewardConfig:
+    fns: list[RewardFnConfig] = doc("rewards combined with weights",
+                                    default_factory=lambda: [RewardFnConfig(fn="math")])
+    num_actors: int = doc("reward actors (CPU only)", 1)
+    num_workers: int = doc("worker processes per reward actor", 2)
+    timeout_s: float = doc("hard wall-clock limit per reward call, enforced from outside the call", 10.0)
+    default_score: float = doc("score of a sample whose reward timed out or raised", 0.0)
+
+    def validate(self):
+        if not self.fns:
+            raise ValueError("reward.fns: at least one reward is required")
+        if self.timeout_s <= 0:
+            raise ValueError("reward.timeout_s: must be positive")
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = doc("RL steps (one rollout batch and one learner update each)", 20)
+    seed: int = doc("base seed: data order, rollout seeds and learner noise draws derive from it", 0)
+    eval_every: int = doc("evaluate every k steps (and at start and end); 0 = only start and end", 0)
+    eval_size: int = doc("held-out rows used for evaluation (0 = all)", 0)
+    save_every: int = doc("checkpoint every k steps (0 = only at the end)", 0)
+    keep_last: int = doc("checkpoints kept", 2)
+    filter_zero_std: bool = doc("drop groups whose rewards are all equal (no learning signal)", False)
+    run_dir: Optional[str] = doc("run directory; default runs/<name>-<timestamp>", None)
+    resume: Optional[str] = doc("continue the run in this directory from its latest checkpoint", None)
+    tracking: Literal["wandb", "none"] = doc("W&B tracking (offline without an API key); JSONL always", "wandb")
+    wandb_project: str = doc("W&B project", "ebpo")
+    samples_per_step: int = doc("rows of the per-step W&B sample table", 4)
+    max_retries: int = doc("retries of a rollout/reward call whose actor died (actor restarted each time)", 3)
+    progress: bool = doc("rich progress display", True)
+    plots: bool = doc("write PNG plots into the run directory at the end", True)
+
+    def validate(self):
+        if self.steps < 0:
+            raise ValueError("trainer.steps: must be >= 0")
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = doc("Ray cluster address; null = start a local instance (embedded default)", None)
+    num_cpus: Optional[int] = doc("CPUs of the local instance (null = all)", None)
+    rollout_gpus: float = doc("GPUs per rollout actor", 0.0)
+    learner_gpus: float = doc("GPUs for the learner actor", 0.0)
+    reward_cpus: float = doc("CPUs per reward actor (its worker processes are not counted by Ray)", 0.0)
+    colocate: bool = doc("pack rollout and learner actors into one placement group (same node)", False)
+
+
+@dataclass
+class RLConfig:
+    kind: Literal["rl"] = doc("recipe kind", "rl")
+    name: str = doc("run name", "rl")
+    model: str = doc("initial policy: folder, tiny-sft (shipped) or preset:NAME[@seed]", "tiny-sft")
+    data: DataConfig = doc("prompts", default_factory=DataConfig)
+    rollout: RolloutConfig = doc("rollout workers and decoding", default_factory=RolloutConfig)
+    reward: RewardConfig = doc("reward functions and workers", default_factory=RewardConfig)
+    learner: dict = doc("fields of ebpo.learner.LearnerConfig (validated at start-up)", default_factory=dict)
+    trainer: TrainerConfig = doc("loop, evaluation, checkpoints, tracking", default_factory=TrainerConfig)
+    ray: RayConfig = doc("cluster and resources", default_factory=RayConfig)

@@ -1,0 +1,31 @@
+import torch
+
+from ebpo.rl_batch import build_learner_batch, filter_groups, reward_metrics, rollout_metrics, zero_std_groups
+
+
+def test_build_learner_batch_masks_only_response_tokens():
+    b = build_learner_batch([[5, 6, 7], [5]], [[9, 1], [8, 8, 8, 1]], torch.tensor([1.0, -1.0]),
+                            torch.tensor([0, 0]), pad_id=1)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 9, 1], [5, 8, 8, 8, 1]]
+    assert b["response_mask"].tolist() == [[False, False, False, True, True], [False, True, True, True, True]]
+    assert b["prompt_lens"].tolist() == [3, 1] and b["response_lens"].tolist() == [2, 4]
+
+
+def test_group_statistics_against_hand_computed_values():
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert zero_std_groups(scores, groups).tolist() == [True, False, True]
+    m = reward_metrics(scores, groups, {"math": [1, 1, 0, 1, None, 0]})
+    assert abs(m["frac_zero_std_groups"] - 2 / 3) < 1e-9
+    assert abs(m["reward/math/mean"] - 0.6) < 1e-9  # the skip is excluded
+    assert filter_groups(~zero_std_groups(scores, groups), groups).tolist() == [False, False, True, True, False, False]
+
+
+def test_rollout_metrics_clip_ratio_and_tpf():
+    samples = [
+        {"token_ids": [3, 4, 1], "finished_by_eos": True, "num_forwards": 3, "num_edits": 1},
+        {"token_ids": [3, 4, 5, 6], "finished_by_eos": False, "num_forwards": 1, "num_edits": 0},
+    ]
+    m = rollout_metrics(samples, max_new_tokens=4, seconds=2.0)
+    assert m["response_length/clip_ratio"] == 0.5 and m["decode/tpf"] == 7 / 4
+    assert m["perf/rollout_tokens_per_s"] == 3.5 and m["decode/edits_per_seq"] == 0.5
