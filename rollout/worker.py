@@ -1,0 +1,76 @@
+"""`RolloutWorker`: a Ray-actor-ready holder of one policy copy that runs the draft-and-edit decoder.
+
+The trainer wraps it with `ray.remote(...)`; it is a plain class so tests and single-process tools can
+use it directly. Weights arrive from the learner as a CPU state_dict (through the object store on CPU
+clusters) and are loaded in place; with `fp8=True` the linear layers and experts run the per-block FP8
+kernels and every sync re-quantises them.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ebpo.model.loading import load_model, load_model_tokenizer
+
+
+class RolloutWorker:
+    def __init__(self, model: str, decode: dict, *, num_threads: int | None = None, fp8: bool = False,
+                 device: str = "cpu", weights: dict | None = None, weights_version: int = 0):
+        """model: folder / `tiny-sft` / `preset:NAME[@seed]`; decode: DecodeConfig fields (incl. `preset`).
+
+        `weights` (a state_dict) lets a restarted worker come back with the policy it had, not the base model.
+        """
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        from . import DecodeConfig
+
+        decode = dict(decode)
+        self.decode_config = DecodeConfig.preset(decode.pop("preset", "speed"), **decode)
+        self.device = torch.device(device)
+        self.model = load_model(model, device=self.device).eval()
+        self.tokenizer = load_model_tokenizer(model)
+        self.fp8 = fp8
+        self.version = 0
+        if weights is not None:
+            self.load_weights(weights, weights_version)
+        if fp8:
+            from kernels.fp8 import convert_model_to_fp8
+
+            self.model = convert_model_to_fp8(self.model)
+
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None) -> list[dict]:
+        """Decode each prompt (token-id list) with its own seed; returns plain dicts (cheap to ship over Ray).
+
+        `decode` (DecodeConfig fields incl. `preset`) replaces the worker's rollout config for this call,
+        e.g. greedy Quality Mode for evaluation.
+        """
+        from . import DecodeConfig, generate
+
+        config = self.decode_config
+        if decode is not None:
+            decode = dict(decode)
+            config = DecodeConfig.preset(decode.pop("preset", "quality"), **decode)
+        with torch.no_grad():
+            outs = generate(self.model, prompt_ids, config, tokenizer=self.tokenizer, seeds=seeds)
+        return [
+            {"token_ids": list(o.token_ids), "text": o.text, "num_forwards": o.num_forwards, "tpf": o.tpf,
+             "num_edits": o.num_edits, "finished_by_eos": o.finished_by_eos}
+            for o in outs
+        ]
+
+    def load_weights(self, state_dict: dict, version: int) -> float:
+        """Load a learner state_dict (stacked-expert names or released names); returns seconds taken."""
+        start = time.perf_counter()
+        if self.fp8:
+            from kernels.fp8 import requantize_model_
+
+            requantize_model_(self.model, state_dict)
+        else:
+            self.model.load_state_dict(state_dict, strict=True)
+        self.version = version
+        return time.perf_counter() - start
+
+    def ping(self) -> int:
+        """Liveness check; returns the weights version held."""
+        return self.version

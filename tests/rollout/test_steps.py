@@ -1,0 +1,85 @@
+"""Pure step functions against brute-force per-row loops over random inputs."""
+import pytest
+import torch
+
+from rollout.steps import StepResult, block_done, block_step, m2t_set, penalty_targets, t2t_set
+
+MASK = 2
+
+
+def _random_block(B=64, K=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cur = torch.randint(3, 9, (B, K), generator=g)
+    cur[torch.rand(B, K, generator=g) < 0.5] = MASK
+    tok = torch.randint(3, 9, (B, K), generator=g)
+    prob = torch.rand(B, K, generator=g)
+    protected = torch.arange(K)[None] < torch.randint(0, 4, (B, 1), generator=g)
+    return tok, prob, cur, protected
+
+
+@pytest.mark.parametrize("ntt", [1, 2, 3])
+def test_m2t_set_matches_brute_force(ntt):
+    tok, prob, cur, protected = _random_block(seed=ntt)
+    is_mask = (cur == MASK) & ~protected
+    got = m2t_set(prob, is_mask, 0.6, ntt)
+    for b in range(cur.shape[0]):
+        masks = [k for k in range(cur.shape[1]) if is_mask[b, k]]
+        passing = [k for k in masks if prob[b, k] > 0.6]
+        if len(passing) < ntt:
+            passing = sorted(masks, key=lambda k: -float(prob[b, k]))[:ntt]
+        assert sorted(torch.nonzero(got[b]).flatten().tolist()) == sorted(passing)
+
+
+def test_t2t_set_and_block_step_match_brute_force():
+    tok, prob, cur, protected = _random_block(seed=7)
+    res = block_step(tok, prob, cur, protected, MASK, tau_mask=0.7, tau_edit=0.4, num_to_transfer=1)
+    for b in range(cur.shape[0]):
+        for k in range(cur.shape[1]):
+            visible = cur[b, k] != MASK and not protected[b, k]
+            edit = bool(visible and tok[b, k] != cur[b, k] and prob[b, k] > 0.4)
+            assert bool(res.t2t[b, k]) == edit
+            expect = tok[b, k] if (res.m2t[b, k] or edit) else cur[b, k]
+            assert res.new[b, k] == expect
+            if protected[b, k]:
+                assert res.new[b, k] == cur[b, k]
+    off = t2t_set(tok, prob, cur, cur == MASK, protected, None)
+    assert not off.any() and not t2t_set(tok, prob, cur, cur == MASK, protected, -1.0).any()
+
+
+def test_strict_thresholds():
+    prob = torch.tensor([[0.5, 0.5]])
+    is_mask = torch.tensor([[True, True]])
+    assert m2t_set(prob, is_mask, 0.5, 0).sum() == 0  # p == tau does not pass
+    tok, cur = torch.tensor([[5, 6]]), torch.tensor([[4, 4]])
+    assert t2t_set(tok, prob, cur, ~is_mask, torch.zeros_like(is_mask), 0.5).sum() == 0
+
+
+def _res(had_masks, edited, masks_left):
+    t2t = torch.zeros(len(had_masks), 4, dtype=torch.bool)
+    t2t[:, 0] = torch.tensor(edited)
+    return StepResult(new=None, m2t=None, t2t=t2t, had_masks=torch.tensor(had_masks),
+                      masks_left=torch.tensor(masks_left))
+
+
+def test_block_done_rule():
+    # rows: (1) filling, masks left; (2) post-step with an edit; (3) post-step without edit;
+    # (4) just filled the last mask (not a post-step yet); (5) post-step with edit reaching max_post_steps
+    res = _res([True, False, False, True, False], [False, True, False, True, True], [2, 0, 0, 0, 0])
+    post = torch.tensor([0, 0, 1, 0, 2])
+    iters = torch.tensor([1, 5, 6, 4, 9])
+    done, new_post = block_done(res, post, iters, max_post_steps=3, block_cap=20, editing=True)
+    assert done.tolist() == [False, False, True, False, True]
+    assert new_post.tolist() == [0, 1, 2, 0, 3]
+    # editing off: the block ends the moment it is full; max_post_steps 0 likewise
+    done_off, _ = block_done(res, post, iters, max_post_steps=3, block_cap=20, editing=False)
+    assert done_off.tolist() == [False, True, True, True, True]
+    done0, _ = block_done(res, post, iters, max_post_steps=0, block_cap=20, editing=True)
+    assert done0.tolist() == [False, True, True, True, True]
+    # the forward cap ends any block
+    cap, _ = block_done(res, post, torch.full((5,), 20), max_post_steps=3, block_cap=20, editing=True)
+    assert cap.all()
+
+
+def test_penalty_targets():
+    prev = torch.tensor([[5, MASK, 7]])
+    assert penalty_targets(prev, MASK).tolist() == [[5, -1, 7]]
