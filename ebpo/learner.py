@@ -1,0 +1,440 @@
+"""EBPO learner worker: old composites, mu epochs x minibatches of the clipped surrogate with gradient replay.
+
+A plain Python class; the trainer wraps it with `ray.remote`. Backends: plain torch (AdamW) or DeepSpeed
+(ZeRO 1/2/3; on CPU it needs `torch.distributed` with gloo, which `_init_dist` starts with world size 1).
+Optional PEFT LoRA: the reference policy is then the base model with the adapter disabled. LoRA wraps
+`nn.Linear` modules only, so it reaches attention (`query_key_value`, `dense`), the dense MLP of the
+first layers and the shared experts; routed experts are stacked `nn.Parameter`s and stay frozen.
+
+Batch (dict of tensors, right-padded, see `update`): `input_ids` (B, L), `prompt_lens` (B,),
+`response_mask` (B, L) bool (optional: computed by `response_mask_from_ids`), `advantages` (B,),
+`group_ids` (B,) (carried for bookkeeping; advantages arrive already normalised per prompt group).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import socket
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+
+from .algos import KL_ESTIMATORS, ebpo_loss
+from .config import doc
+from .likelihood import all_composites, direct_backward, draw_noise, replay_backward, response_mask_from_ids
+
+LORA_TARGETS = ["query_key_value", "dense", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LearnerConfig:
+    lr: float = doc("peak learning rate", 1e-6)
+    weight_decay: float = doc("AdamW weight decay", 0.0)
+    betas: list[float] = doc("AdamW betas", default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = doc("linear warm-up length, in updates (RL steps; fractional within an update)", 0)
+    total_steps: int = doc("schedule length in updates (RL steps); needed by the cosine schedule", 0)
+    schedule: Literal["constant", "cosine"] = doc("LR schedule after warm-up (cosine decays to 0 at total_steps)",
+                                                  "constant")
+    grad_clip: float = doc("max global grad norm per optimizer step; 0 = no clipping", 1.0)
+    mu: int = doc("epochs over each rollout batch", 1)
+    minibatch_size: int = doc("sequences per optimizer step (0 = whole batch)", 0)
+    n_draws: int = doc("Monte Carlo noise draws N per sequence (stratified noise levels)", 8)
+    t_min: float = doc("smallest noise level (mask probability), > 0 because of the 1/t weight", 0.1)
+    t_max: float = doc("largest noise level, <= 1", 1.0)
+    eps_low: float = doc("clip: ratio floor 1 - eps_low for negative advantages", 0.2)
+    eps_high: float = doc("clip: ratio ceiling 1 + eps_high for positive advantages", 0.28)
+    length_normalize: bool = doc("divide each sequence's log-ratio (and KL) by its response length", False)
+    kl_beta: float = doc("weight of the KL penalty against the frozen reference (0 = off)", 0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = doc("KL estimator of the penalty/metric", "k3")
+    packed: bool = doc("N noisy copies share one clean copy in a forward ((N+1)L instead of 2NL tokens)", True)
+    grad_replay: bool = doc("compute composites without grad, then replay draws with grad (memory flat in N)", True)
+    nograd_chunk: int = doc("draws per no-grad forward (old/ref/current values); 0 = all N", 0)
+    replay_chunk: int = doc("draws per replayed forward with grad (activations alive at once)", 1)
+    nograd_cached: bool = doc("no-grad passes run the clean copy once into a KV cache and the noisy copies "
+                              "against it (fewer attention scores than packed; same values)", True)
+    backend: Literal["torch", "deepspeed"] = doc("optimizer engine", "torch")
+    zero_stage: int = doc("DeepSpeed ZeRO stage (0-3)", 2)
+    lora: Optional[dict] = doc("PEFT LoRA {r, alpha, target_modules, dropout}; null = full fine-tuning", None)
+    seed: int = doc("seed of the learner's noise-draw generator (and minibatch shuffling)", 0)
+    block_size: Optional[int] = doc("block size K of the likelihood; null = the model's", None)
+    device: str = doc("auto (cuda if available), cpu or cuda[:i]; DeepSpeed places the model itself", "auto")
+
+    def validate(self):
+        checks = [
+            ("lr", self.lr > 0, "must be > 0"),
+            ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
+            ("betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "must be two numbers in [0, 1)"),
+            ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
+            ("total_steps", self.total_steps >= 0, "must be >= 0"),
+            ("total_steps", self.schedule != "cosine" or self.total_steps > self.warmup_steps,
+             "the cosine schedule needs total_steps > warmup_steps"),
+            ("schedule", self.schedule in ("constant", "cosine"), "choose constant or cosine"),
+            ("grad_clip", self.grad_clip >= 0, "must be >= 0 (0 = off)"),
+            ("mu", self.mu >= 1, "must be >= 1"),
+            ("minibatch_size", self.minibatch_size >= 0, "must be >= 0 (0 = whole batch)"),
+            ("n_draws", self.n_draws >= 1, "must be >= 1"),
+            ("t_min", 0 < self.t_min <= self.t_max, "need 0 < t_min <= t_max"),
+            ("t_max", self.t_max <= 1, "must be <= 1"),
+            ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1)"),
+            ("eps_high", self.eps_high >= 0, "must be >= 0"),
+            ("kl_beta", self.kl_beta >= 0, "must be >= 0"),
+            ("kl_estimator", self.kl_estimator in KL_ESTIMATORS, f"choose one of {list(KL_ESTIMATORS)}"),
+            ("nograd_chunk", self.nograd_chunk >= 0, "must be >= 0 (0 = all draws)"),
+            ("replay_chunk", self.replay_chunk >= 1, "must be >= 1"),
+            ("backend", self.backend in ("torch", "deepspeed"), "choose torch or deepspeed"),
+            ("zero_stage", self.zero_stage in (0, 1, 2, 3), "choose 0, 1, 2 or 3"),
+            ("block_size", self.block_size is None or self.block_size >= 1, "must be >= 1 or null"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"learner.{name}: {why} (got {getattr(self, name)!r})")
+        if self.lora is not None:
+            unknown = set(self.lora) - {"r", "alpha", "target_modules", "dropout"}
+            if unknown:
+                raise ValueError(f"learner.lora: unknown keys {sorted(unknown)}; allowed r, alpha, target_modules, dropout")
+            if int(self.lora.get("r", 8)) < 1:
+                raise ValueError(f"learner.lora.r: must be >= 1 (got {self.lora.get('r')!r})")
+
+
+def lr_factor(progress: float, cfg: LearnerConfig, step_frac: float = 0.0) -> float:
+    """LR multiplier of the optimizer step starting at `progress` updates (float) and lasting `step_frac`.
+
+    Warm-up is linear in the step's end (so the very first step has a non-zero LR); the cosine phase
+    uses the step's start (so the last scheduled update still trains), reaching 0 at total_steps.
+    """
+    end = progress + step_frac
+    if cfg.warmup_steps > 0 and end < cfg.warmup_steps:
+        return end / cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        q = (progress - cfg.warmup_steps) / max(cfg.total_steps - cfg.warmup_steps, 1)
+        return 0.5 * (1.0 + math.cos(math.pi * min(max(q, 0.0), 1.0)))
+    return 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_dist() -> None:
+    """Single-process torch.distributed (gloo on CPU, nccl on GPU) for DeepSpeed, unless already up."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+class _Forward:
+    """What the likelihood functions need: `__call__` (through the engine, so its hooks run) and the LM head."""
+
+    def __init__(self, call, module):
+        self._call, self._module = call, module
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def get_output_embeddings(self):
+        return self._module.get_output_embeddings()
+
+    @property
+    def config(self):
+        return self._module.config
+
+
+class EBPOLearner:
+    """EBPO policy learner. `update(batch)` runs one RL step's optimisation and returns metrics."""
+
+    def __init__(self, model_or_path, config: LearnerConfig | None = None, **overrides):
+        cfg = config or LearnerConfig()
+        if overrides:
+            cfg = LearnerConfig(**{**asdict(cfg), **overrides})
+        cfg.validate()
+        self.cfg = cfg
+        if isinstance(model_or_path, str):
+            from .model.loading import load_model
+
+            model_or_path = load_model(model_or_path)
+        base = model_or_path
+        self.model_config = base.config
+        self.block_size = cfg.block_size or base.config.block_size
+        self.mask_id = base.config.mask_token_id
+        self.eos_id = base.config.eos_token_id
+        if cfg.backend == "torch":
+            dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            base = base.to(dev)
+        self.ref_model = None
+        if cfg.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            lcfg = LoraConfig(r=int(cfg.lora.get("r", 8)), lora_alpha=float(cfg.lora.get("alpha", 16)),
+                              target_modules=list(cfg.lora.get("target_modules", LORA_TARGETS)),
+                              lora_dropout=float(cfg.lora.get("dropout", 0.0)), bias="none")
+            self.model = get_peft_model(base, lcfg)
+        else:
+            self.model = base
+            if cfg.kl_beta > 0:  # frozen reference = the initial policy
+                self.ref_model = copy.deepcopy(base).eval().requires_grad_(False)
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self.engine = None
+        n_backward = math.ceil(cfg.n_draws / cfg.replay_chunk) if cfg.grad_replay else 1
+        self._n_backward = n_backward
+        if cfg.backend == "deepspeed":
+            import deepspeed
+
+            _init_dist()
+            ds_config = {
+                "train_micro_batch_size_per_gpu": 1,
+                # One optimizer step per minibatch = one "micro step" per replayed draw chunk; we scale
+                # the replayed losses ourselves (scale_wrt_gas=False), so gradients are the exact sum.
+                "gradient_accumulation_steps": n_backward,
+                "gradient_clipping": cfg.grad_clip,
+                "zero_optimization": {"stage": cfg.zero_stage},
+                "steps_per_print": 10 ** 9,
+                "wall_clock_breakdown": False,
+            }
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=self.optimizer,
+                                                                     config=ds_config)
+            self.fwd = _Forward(self.engine, self.model)
+        else:
+            self.fwd = _Forward(self.model, self.model)
+        self.device = next(self.model.parameters()).device
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.updates_done = 0
+        self.lr_now = cfg.lr * lr_factor(0.0, cfg)
+
+    # ------------------------------------------------------------------------------------------------
+    def _ref_context(self):
+        if self.cfg.lora is not None:
+            return self.model.disable_adapter()
+        return nullcontext()
+
+    def _ref_forward(self):
+        if self.ref_model is not None:
+            return _Forward(self.ref_model, self.ref_model)
+        return self.fwd
+
+    def _set_lr(self, value: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = value
+        self.lr_now = value
+
+    def _backward(self, t: torch.Tensor) -> None:
+        if self.engine is not None:
+            self.engine.backward(t, scale_wrt_gas=False)
+        else:
+            t.backward()
+
+    def _optimizer_step(self) -> float:
+        """Clip, step, zero grads; returns the pre-clip global grad norm."""
+        if self.engine is not None:
+            # engine.step() is a no-op until the accumulation boundary; our backward calls per
+            # minibatch equal gradient_accumulation_steps, so the last one triggers the real step.
+            norm = self.engine.get_global_grad_norm() if hasattr(self.engine, "get_global_grad_norm") else None
+            return float(norm) if norm is not None else float("nan")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.cfg.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # ------------------------------------------------------------------------------------------------
+    def _check_batch(self, batch: dict) -> dict:
+        for key in ("input_ids", "prompt_lens", "advantages"):
+            if key not in batch:
+                raise ValueError(f"batch: missing field {key!r} (have {sorted(batch)})")
+        ids = torch.as_tensor(batch["input_ids"]).long()
+        if ids.dim() != 2:
+            raise ValueError(f"batch.input_ids: expected (B, L), got {tuple(ids.shape)}")
+        B, L = ids.shape
+        prompt_lens = torch.as_tensor(batch["prompt_lens"]).long()
+        adv = torch.as_tensor(batch["advantages"]).float()
+        for key, t in (("prompt_lens", prompt_lens), ("advantages", adv)):
+            if t.shape != (B,):
+                raise ValueError(f"batch.{key}: expected shape ({B},), got {tuple(t.shape)}")
+        if "response_mask" in batch and batch["response_mask"] is not None:
+            resp = torch.as_tensor(batch["response_mask"]).bool()
+            if resp.shape != (B, L):
+                raise ValueError(f"batch.response_mask: expected shape ({B}, {L}), got {tuple(resp.shape)}")
+        else:
+            resp = response_mask_from_ids(ids, prompt_lens, self.eos_id)
+        return {"input_ids": ids, "response_mask": resp, "advantages": adv,
+                "lengths": resp.sum(1).float()}
+
+    def _composites(self, fwd, ids, noise, chunk, blocks=False):
+        return all_composites(fwd, ids, noise, self.mask_id, packed=self.cfg.packed, chunk=chunk,
+                              return_blocks=blocks, use_module_head=self.cfg.zero_stage == 3 and self.engine is not None,
+                              cached=self._cached)
+
+    def update(self, batch: dict) -> dict:
+        """One RL step: old (and ref) composites without grad, then mu epochs x minibatches of EBPO.
+
+        Returns `actor/*` metrics (means over minibatch steps; log_ratio_max is the max), per-block
+        likelihood stats `likelihood/*` of the old policy, and `timing_s/{old_logprob,update}`.
+        """
+        cfg = self.cfg
+        b = self._check_batch(batch)
+        dev = self.device
+        ids, resp = b["input_ids"].to(dev), b["response_mask"]
+        adv, lengths = b["advantages"].to(dev), b["lengths"].to(dev)
+        B = ids.shape[0]
+        noise = draw_noise(resp, self.block_size, cfg.n_draws, cfg.t_min, cfg.t_max, self.generator)
+        perm = torch.randperm(B, generator=self.generator)
+        mbs = list(perm.split(cfg.minibatch_size or B))
+        # Current values inside replay use `nograd_chunk`; direct backprop uses one forward of all draws.
+        # Old values use the same chunking so that at the first step current == old bit for bit.
+        chunk = cfg.nograd_chunk if cfg.grad_replay else 0
+        self._cached = cfg.nograd_cached and cfg.grad_replay
+        t0 = time.perf_counter()
+        old = torch.zeros(B, cfg.n_draws, device=dev)
+        blocks = None
+        ref = torch.zeros(B, cfg.n_draws, device=dev) if cfg.kl_beta > 0 else None
+        with torch.no_grad():
+            for mb in mbs:
+                mb_noise = noise.rows(mb)
+                c, blk = self._composites(self.fwd, ids[mb], mb_noise, chunk, blocks=True)
+                old[mb.to(dev)] = c
+                if blocks is None:
+                    blocks = torch.zeros(B, *blk.shape[1:], device=dev)
+                blocks[mb.to(dev)] = blk
+                if ref is not None:
+                    with self._ref_context():
+                        ref[mb.to(dev)] = self._composites(self._ref_forward(), ids[mb], mb_noise, chunk)
+        t_old = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        sums: dict[str, float] = {}
+        lr_max, n_steps, n_total = 0.0, 0, cfg.mu * len(mbs)
+        for _ in range(cfg.mu):
+            for j in torch.randperm(len(mbs), generator=self.generator).tolist():
+                mb = mbs[j].to(dev)
+                self._set_lr(cfg.lr * lr_factor(self.updates_done + n_steps / n_total, cfg, 1.0 / n_total))
+                mb_old, mb_adv = old[mb], adv[mb]
+                mb_len = lengths[mb] if cfg.length_normalize else None
+                mb_ref = ref[mb] if ref is not None else None
+
+                def loss_fn(cur):
+                    return ebpo_loss(cur, mb_old, mb_adv, cfg.eps_low, cfg.eps_high, lengths=mb_len, ref=mb_ref,
+                                     kl_beta=cfg.kl_beta, kl_estimator=cfg.kl_estimator)
+
+                zero3 = cfg.zero_stage == 3 and self.engine is not None
+                if cfg.grad_replay:
+                    _, m, _ = replay_backward(self.fwd, ids[mb], noise.rows(mbs[j]), self.mask_id, loss_fn,
+                                              backward=self._step_backward, packed=cfg.packed,
+                                              nograd_chunk=cfg.nograd_chunk, replay_chunk=cfg.replay_chunk,
+                                              use_module_head=zero3, cached=self._cached)
+                else:
+                    _, m, _ = direct_backward(self.fwd, ids[mb], noise.rows(mbs[j]), self.mask_id, loss_fn,
+                                              backward=self._step_backward, packed=cfg.packed,
+                                              use_module_head=zero3)
+                m["grad_norm"] = self._optimizer_step()
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                lr_max = max(lr_max, m["log_ratio_max"])
+                n_steps += 1
+        self.updates_done += 1
+        metrics = {f"actor/{k}": v / n_steps for k, v in sums.items()}
+        metrics["actor/log_ratio_max"] = lr_max
+        metrics["actor/lr"] = self.lr_now
+        metrics.update(self._likelihood_stats(old, blocks, noise, resp, lengths))
+        metrics["timing_s/old_logprob"] = t_old
+        metrics["timing_s/update"] = time.perf_counter() - t0
+        return metrics
+
+    def _step_backward(self, t: torch.Tensor) -> None:
+        self._backward(t)
+        if self.engine is not None:
+            self.engine.step()  # real optimizer step only at the accumulation boundary
+
+    @staticmethod
+    def _likelihood_stats(old, blocks, noise, resp, lengths) -> dict:
+        """ELBO estimates of the behaviour (old) policy: per sequence, per token, per block per token."""
+        dev = old.device
+        K = noise.block_size
+        L = resp.shape[1]
+        nb = blocks.shape[-1]
+        blk = torch.arange(L) // K
+        toks = torch.zeros(resp.shape[0], nb).index_add_(1, blk, resp.float()).to(dev)  # (B, nb)
+        block_elbo = blocks.mean(1)  # (B, nb) mean over draws
+        has = toks > 0
+        per_tok_block = (block_elbo[has] / toks[has])
+        seq = old.mean(1)
+        masked = noise.masked.float().sum(-1)  # (N, B)
+        return {
+            "likelihood/elbo_seq_mean": float(seq.mean()),
+            "likelihood/elbo_per_token_mean": float((seq / lengths.clamp(min=1)).mean()),
+            "likelihood/block_per_token_mean": float(per_tok_block.mean()),
+            "likelihood/block_per_token_min": float(per_tok_block.min()),
+            "likelihood/block_per_token_max": float(per_tok_block.max()),
+            "likelihood/blocks_per_seq": float(has.float().sum(1).mean()),
+            "likelihood/masked_per_seq": float(masked.mean()),
+            "likelihood/composite_std": float(old.std(1).mean()) if old.shape[1] > 1 else 0.0,
+        }
+
+    # ------------------------------------------------------------------------------------------------
+    def get_model(self):
+        """The policy as a plain `LLaDA2MoeModelLM` (LoRA: a merged copy; the live model is untouched)."""
+        if self.cfg.lora is not None:
+            merged = copy.deepcopy(self.model).merge_and_unload()
+            return merged
+        return self.model
+
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """Full policy weights as CPU tensors under the model's own names (LoRA merged in)."""
+        if self.cfg.lora is not None:
+            return {k: v.detach().cpu().clone() for k, v in self.get_model().state_dict().items()}
+        if self.engine is not None and self.cfg.zero_stage == 3:
+            import deepspeed
+
+            params = list(self.model.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def _extra_state(self) -> dict:
+        return {"generator": self.generator.get_state(), "updates_done": self.updates_done,
+                "lr_now": self.lr_now, "config": asdict(self.cfg)}
+
+    def save(self, path: str) -> None:
+        """Write model, optimizer, schedule position and RNG state under `path/`."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        if self.engine is not None:
+            self.engine.save_checkpoint(str(out / "deepspeed"), tag="state")
+        else:
+            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                       out / "learner_state.pt")
+        torch.save(self._extra_state(), out / "learner_meta.pt")
+
+    def load(self, path: str) -> None:
+        """Restore what `save` wrote (same config and backend)."""
+        src = Path(path)
+        if not (src / "learner_meta.pt").exists():
+            raise FileNotFoundError(f"{src}: no learner_meta.pt; not a learner checkpoint")
+        if self.engine is not None:
+            self.engine.load_checkpoint(str(src / "deepspeed"), tag="state")
+        else:
+            state = torch.load(src / "learner_state.pt", map_location=self.device, weights_only=False)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        meta = torch.load(src / "learner_meta.pt", weights_only=False)
+        self.generator.set_state(meta["generator"])
+        self.updates_done = meta["updates_done"]
+        self.lr_now = meta["lr_now"]

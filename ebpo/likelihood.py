@@ -1,0 +1,351 @@
+"""Vectorized block-ELBO composite likelihood of a response (the EBPO log-ratio) and gradient replay.
+
+Layout (REFERENCE.md sections 2, 5, 10). A sequence `x` of length L = prompt + response (+ right padding)
+is cut into blocks of K tokens by absolute position (`block = position // K`; the prompt's last partial
+block is part of that block). A *noisy copy* replaces some response tokens by the mask token; prompt,
+padding and unmasked response tokens stay as they are. One forward over `[noisy ; clean]` with the
+training mask of `ebpo.masks` scores every block at once: noisy block b sees itself and clean blocks < b.
+The packed form `[noisy_1 .. noisy_S ; clean]` shares one clean copy among S draws ((S+1)L tokens
+instead of 2SL) and gives the same log-probabilities.
+
+Composite of draw n for one sequence (t_{n,b} the noise level of block b in draw n):
+
+    C_n = sum_{blocks b with response tokens} (1 / t_{n,b}) * sum_{masked i in b} log p_theta(x_i | noisy_n, clean < b)
+
+Noise levels (design choices, documented in docs/ebpo.md):
+  * stratified per (sequence, block): t_n = t_min + (t_max - t_min) * (n + u) / N with one offset
+    u ~ U[0, 1) drawn independently for every (sequence, block), so each block's N levels cover
+    [t_min, t_max] evenly and t_n is marginally uniform on [t_min, t_max] when n is uniform;
+  * each response token of the block is masked with probability t_n (independently);
+  * if that masks nothing in a block that has response tokens, one of its response tokens, chosen
+    uniformly, is masked instead ("forcing"). Forcing changes the masking distribution only on the
+    event "nothing masked" (probability (1 - t)^m for m response tokens in the block), so the estimator
+    is exactly unbiased for the *forced* objective E_{t ~ U[t_min, t_max]} E_{mask ~ forced Bernoulli(t)} [C]
+    (which the tests compute by enumeration), not for the plain 1/t ELBO: it adds the term
+    E_t[(1 - t)^m / t * mean_i log p(x_i | only i masked)] that the plain ELBO gives weight 0.
+  * only response tokens up to and including the first EOS carry loss (`response_mask`); padding never.
+
+The same `NoiseDraws` (drawn once from an explicit `torch.Generator`) are reused for the current, old
+and reference policies, so the Monte Carlo noise cancels in their differences.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .masks import block_causal_mask, noisy_clean_position_ids, packed_noisy_clean_mask
+from .model.cache import BlockKVCache
+
+
+# ----------------------------------------------------------------------------------------------------
+# Response mask and noise draws
+# ----------------------------------------------------------------------------------------------------
+
+def response_mask_from_ids(input_ids: torch.Tensor, prompt_lens: torch.Tensor, eos_id: int,
+                           seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, L) bool: response positions from `prompt_lens[i]` up to and including the first EOS.
+
+    input_ids (B, L) long, right-padded; prompt_lens (B,) long. A response without EOS runs to
+    `seq_lens[i]` (total prompt + response length, (B,)) when given, else to L. An EOS inside the
+    prompt does not count: only EOS at positions >= prompt_lens[i] end the response.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected (B, L), got {tuple(input_ids.shape)}")
+    B, L = input_ids.shape
+    pos = torch.arange(L, device=input_ids.device)[None, :]
+    prompt_lens = prompt_lens.to(input_ids.device).long()
+    if prompt_lens.shape != (B,):
+        raise ValueError(f"prompt_lens: expected shape ({B},), got {tuple(prompt_lens.shape)}")
+    in_resp = pos >= prompt_lens[:, None]
+    if seq_lens is not None:
+        in_resp = in_resp & (pos < seq_lens.to(input_ids.device).long()[:, None])
+    is_eos = (input_ids == eos_id) & in_resp
+    # EOS positions strictly before i (exclusive cumulative count) end the response before i.
+    eos_before = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+    return in_resp & ~eos_before
+
+
+@dataclass
+class NoiseDraws:
+    """N noise draws for a batch, shared by current, old and reference policies.
+
+    masked: (N, B, L) bool, response positions replaced by the mask token in draw n.
+    t: (N, B, nb) fp32 noise level of every (draw, sequence, block); nb = ceil(L / K).
+    weight: (N, B, L) fp32, 1 / t of the position's block where masked, else 0.
+    block_size: K.
+    """
+
+    masked: torch.Tensor
+    t: torch.Tensor
+    weight: torch.Tensor
+    block_size: int
+
+    @property
+    def n_draws(self) -> int:
+        return self.masked.shape[0]
+
+    def rows(self, idx: torch.Tensor) -> "NoiseDraws":
+        """The draws of the sequences `idx` (a minibatch), same draws."""
+        return NoiseDraws(self.masked[:, idx], self.t[:, idx], self.weight[:, idx], self.block_size)
+
+
+def draw_noise(response_mask: torch.Tensor, block_size: int, n_draws: int, t_min: float, t_max: float,
+               generator: torch.Generator) -> NoiseDraws:
+    """Stratified noise levels and masks (see module docstring) from `generator` only.
+
+    response_mask (B, L) bool; 0 < t_min <= t_max <= 1; n_draws >= 1. Returns `NoiseDraws` on the
+    generator's device. Every block that holds a response token has at least one masked token.
+    """
+    if not 0.0 < t_min <= t_max <= 1.0:
+        raise ValueError(f"t_min/t_max: need 0 < t_min <= t_max <= 1, got t_min={t_min}, t_max={t_max}")
+    if n_draws < 1:
+        raise ValueError(f"n_draws: must be >= 1, got {n_draws}")
+    dev = generator.device
+    resp = response_mask.to(dev).bool()
+    B, L = resp.shape
+    K = block_size
+    nb = (L + K - 1) // K
+    blk = torch.arange(L, device=dev) // K  # (L,)
+    u = torch.rand(B, nb, generator=generator, device=dev)  # one offset per (sequence, block)
+    n = torch.arange(n_draws, device=dev, dtype=torch.float32)[:, None, None]
+    t = t_min + (t_max - t_min) * (n + u[None]) / n_draws  # (N, B, nb)
+    t_tok = t[:, :, blk]  # (N, B, L)
+    coins = torch.rand(n_draws, B, L, generator=generator, device=dev)
+    masked = (coins < t_tok) & resp[None]
+    # Forcing: blocks with response tokens but nothing masked get one uniformly chosen response token.
+    scores = torch.rand(n_draws, B, L, generator=generator, device=dev).masked_fill(~resp[None], -1.0)
+    per_block = torch.full((n_draws, B, nb * K), -1.0, device=dev)
+    per_block[..., :L] = scores
+    per_block = per_block.view(n_draws, B, nb, K)
+    best = per_block.argmax(-1)  # (N, B, nb): uniform among response tokens of the block
+    n_masked = torch.zeros(n_draws, B, nb, device=dev).index_add_(2, blk, masked.float())
+    has_resp = torch.zeros(B, nb, device=dev).index_add_(1, blk, resp.float()) > 0
+    need = (n_masked == 0) & has_resp[None]
+    force_pos = best + torch.arange(nb, device=dev) * K  # absolute position of the forced token
+    forced = torch.zeros(n_draws, B, nb * K, dtype=torch.bool, device=dev)
+    forced.scatter_(2, force_pos, need)
+    masked = masked | forced[..., :L]
+    weight = torch.where(masked, 1.0 / t_tok, torch.zeros((), device=dev))
+    return NoiseDraws(masked=masked, t=t, weight=weight, block_size=K)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Token log-probs of gathered rows
+# ----------------------------------------------------------------------------------------------------
+
+def _kernel_token_logprobs():
+    try:
+        from kernels.logprobs import token_logprobs  # optional fused, memory-light kernel
+        return token_logprobs
+    except Exception:  # not written yet or unavailable: the plain-torch path below is exact
+        return None
+
+
+def gathered_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, use_module_head: bool = False) -> torch.Tensor:
+    """log p(targets) for gathered hidden rows: hidden (M, H), targets (M,) -> (M,) fp32.
+
+    Uses `kernels.logprobs.token_logprobs` when importable; `use_module_head=True` calls the LM head
+    module instead of reading its weight (needed when the weight is partitioned, e.g. DeepSpeed ZeRO-3).
+    """
+    head = model.get_output_embeddings()
+    kernel = None if use_module_head else _kernel_token_logprobs()
+    if kernel is not None and getattr(head, "bias", None) is None:
+        return kernel(hidden, head.weight, targets).float()
+    logits = head(hidden).float()
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Composites
+# ----------------------------------------------------------------------------------------------------
+
+def _unwrap_hidden(out) -> torch.Tensor:
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def composite_logprobs(model, input_ids: torch.Tensor, noise: NoiseDraws, draws: Sequence[int], mask_token_id: int,
+                       packed: bool = False, return_blocks: bool = False, use_module_head: bool = False):
+    """Composites C (B, S) of the draws `draws` (S of them) in one forward.
+
+    input_ids (B, L) long (clean sequences); noise: `NoiseDraws` of these B sequences.
+    packed=False: batch (S*B, 2L) of `[noisy_s ; clean]`; packed=True: (B, (S+1)L) `[noisy_1..noisy_S ; clean]`.
+    Both use the masks of `ebpo.masks` and position ids 0..L-1 per copy. Gradient flows if enabled.
+    return_blocks=True also returns per-block contributions (B, S, nb) whose sum over blocks is C.
+    """
+    B, L = input_ids.shape
+    K = noise.block_size
+    S = len(draws)
+    dev = input_ids.device
+    idx = torch.as_tensor(list(draws), device=noise.masked.device, dtype=torch.long)
+    masked = noise.masked.index_select(0, idx).to(dev)  # (S, B, L)
+    weight = noise.weight.index_select(0, idx).to(dev)
+    noisy = torch.where(masked, torch.full((), mask_token_id, device=dev, dtype=input_ids.dtype), input_ids[None])
+    if packed:
+        ids = torch.cat([noisy.permute(1, 0, 2).reshape(B, S * L), input_ids], dim=1)  # (B, (S+1)L)
+        keep = packed_noisy_clean_mask(L, K, S, device=dev)[None, None]
+        pos = noisy_clean_position_ids(L, S, device=dev)
+        h = _unwrap_hidden(model(input_ids=ids, attention_mask=keep, position_ids=pos, return_logits=False))
+        h_noisy = h[:, : S * L].reshape(B, S, L, -1).transpose(0, 1)  # (S, B, L, H)
+    else:
+        ids = torch.cat([noisy, input_ids[None].expand(S, B, L)], dim=2).reshape(S * B, 2 * L)
+        keep = packed_noisy_clean_mask(L, K, 1, device=dev)[None, None]
+        pos = noisy_clean_position_ids(L, 1, device=dev)
+        h = _unwrap_hidden(model(input_ids=ids, attention_mask=keep, position_ids=pos, return_logits=False))
+        h_noisy = h[:, :L].reshape(S, B, L, -1)
+    return _scatter_composites(model, h_noisy, input_ids, masked, weight, K, return_blocks, use_module_head)
+
+
+def _scatter_composites(model, h_noisy, input_ids, masked, weight, K, return_blocks, use_module_head):
+    """h_noisy (S, B, L, H), masked/weight (S, B, L) -> C (B, S) [and per-block terms (B, S, nb)]."""
+    S, B, L = masked.shape
+    # Gather only loss positions before the LM head: (M, H) rows instead of S*B*L*V logits.
+    sel = masked.nonzero(as_tuple=True)  # (s, b, l) indices
+    logp = gathered_logprobs(model, h_noisy[sel], input_ids[sel[1], sel[2]], use_module_head)
+    contrib = logp * weight[sel]
+    nb = (L + K - 1) // K
+    flat = (sel[1] * S + sel[0]) * nb + torch.div(sel[2], K, rounding_mode="floor")
+    blocks = torch.zeros(B * S * nb, device=h_noisy.device, dtype=contrib.dtype).index_add(0, flat, contrib)
+    blocks = blocks.view(B, S, nb)
+    comp = blocks.sum(-1)
+    return (comp, blocks) if return_blocks else comp
+
+
+@torch.no_grad()
+def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws, draws: Sequence[int],
+                              mask_token_id: int, return_blocks: bool = False, use_module_head: bool = False):
+    """Composites (B, S) without grad: clean copy once into a KV cache, then all S noisy copies against it.
+
+    Same attention pattern as `[noisy_s ; clean]` (noisy block b sees clean blocks < b and itself), but
+    the clean copy runs once ((S+1)L tokens like the packed layout) and each noisy query attends 2L keys
+    instead of the packed (S+1)L, which matters where attention with a dense boolean mask computes every
+    masked-out score (CPU SDPA). Keys/values are cached detached: no-grad passes only.
+    """
+    B, L = input_ids.shape
+    K = noise.block_size
+    S = len(draws)
+    dev = input_ids.device
+    cfg = model.config
+    pos = torch.arange(L, device=dev)
+    cache = BlockKVCache.for_model(cfg, B, L, dtype=model.get_output_embeddings().weight.dtype, device=dev)
+    model(input_ids=input_ids, attention_mask=block_causal_mask(L, K, device=dev)[None, None], position_ids=pos,
+          past_key_values=cache, return_logits=False)
+    cache.commit(L)
+    # Rows of `[noisy ; clean]`'s noisy half, columns reordered to [clean prefix (cache) ; noisy (new)].
+    full = packed_noisy_clean_mask(L, K, 1, device=dev)[:L]
+    keep = torch.cat([full[:, L:], full[:, :L]], dim=1)[None, None]
+    idx = torch.as_tensor(list(draws), device=noise.masked.device, dtype=torch.long)
+    masked = noise.masked.index_select(0, idx).to(dev)  # (S, B, L)
+    weight = noise.weight.index_select(0, idx).to(dev)
+    noisy = torch.where(masked, torch.full((), mask_token_id, device=dev, dtype=input_ids.dtype), input_ids[None])
+    rows = [b for _ in range(S) for b in range(B)]
+    h = _unwrap_hidden(model(input_ids=noisy.reshape(S * B, L), attention_mask=keep, position_ids=pos,
+                             past_key_values=cache, cache_rows=rows, return_logits=False)).reshape(S, B, L, -1)
+    return _scatter_composites(model, h, input_ids, masked, weight, K, return_blocks, use_module_head)
+
+
+def composite_logprobs_blockwise(model, input_ids: torch.Tensor, noise: NoiseDraws, draw: int, mask_token_id: int,
+                                 use_module_head: bool = False) -> torch.Tensor:
+    """Baseline: the composite (B,) of one draw scored block by block, one forward per block.
+
+    For every block b holding a masked response token, forward `[clean blocks < b ; noisy block b]`
+    with the model's default block-causal mask. Slow (sum over blocks of (b+1)K tokens); used by the
+    benchmark as the per-block loop the vectorized layout replaces.
+    """
+    B, L = input_ids.shape
+    K = noise.block_size
+    dev = input_ids.device
+    masked = noise.masked[draw].to(dev)
+    weight = noise.weight[draw].to(dev)
+    comp = torch.zeros(B, device=dev)
+    for b in range((L + K - 1) // K):
+        lo, hi = b * K, min((b + 1) * K, L)
+        m = masked[:, lo:hi]
+        if not m.any():
+            continue
+        noisy_block = torch.where(m, torch.full((), mask_token_id, device=dev, dtype=input_ids.dtype), input_ids[:, lo:hi])
+        ids = torch.cat([input_ids[:, :lo], noisy_block], dim=1)
+        h = _unwrap_hidden(model(input_ids=ids, attention_mask=block_causal_mask(hi, K, device=dev)[None, None],
+                                 position_ids=torch.arange(hi, device=dev), return_logits=False))[:, lo:hi]
+        rows, cols = m.nonzero(as_tuple=True)
+        logp = gathered_logprobs(model, h[rows, cols], input_ids[rows, lo + cols], use_module_head)
+        comp = comp.index_add(0, rows, logp * weight[rows, lo + cols])
+    return comp
+
+
+def all_composites(model, input_ids: torch.Tensor, noise: NoiseDraws, mask_token_id: int, packed: bool = False,
+                   chunk: int = 0, return_blocks: bool = False, use_module_head: bool = False, cached: bool = False):
+    """Composites (B, N) of every draw, `chunk` draws per forward (0 = all N in one forward).
+
+    Runs under whatever grad mode the caller chose; `cached=True` uses `composite_logprobs_cached`
+    (no grad only; `packed` is then ignored). With return_blocks, also (B, N, nb).
+    """
+    N = noise.n_draws
+    step = N if chunk <= 0 else chunk
+    outs, blocks = [], []
+    for lo in range(0, N, step):
+        draws = list(range(lo, min(lo + step, N)))
+        if cached:
+            r = composite_logprobs_cached(model, input_ids, noise, draws, mask_token_id, return_blocks=return_blocks,
+                                          use_module_head=use_module_head)
+        else:
+            r = composite_logprobs(model, input_ids, noise, draws, mask_token_id, packed=packed,
+                                   return_blocks=return_blocks, use_module_head=use_module_head)
+        if return_blocks:
+            outs.append(r[0])
+            blocks.append(r[1])
+        else:
+            outs.append(r)
+    comp = torch.cat(outs, dim=1)
+    return (comp, torch.cat(blocks, dim=1)) if return_blocks else comp
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gradient replay
+# ----------------------------------------------------------------------------------------------------
+
+def replay_backward(model, input_ids: torch.Tensor, noise: NoiseDraws, mask_token_id: int,
+                    loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
+                    backward: Callable[[torch.Tensor], None] | None = None, packed: bool = False,
+                    nograd_chunk: int = 0, replay_chunk: int = 1, use_module_head: bool = False,
+                    cached: bool = False):
+    """Exact gradient of `loss_fn(C)` with the activations of only `replay_chunk` draws alive at a time.
+
+    1. C (B, N) = composites of all draws without grad (`nograd_chunk` draws per forward; `cached`
+       selects `composite_logprobs_cached` for this pass);
+    2. loss, metrics = loss_fn(C_leaf) with C_leaf a leaf requiring grad; g = dloss/dC (B, N);
+    3. for each chunk of draws S: recompute C_S with grad and backpropagate (C_S * g[:, S]).sum().
+    By the chain rule the accumulated parameter gradient equals that of loss_fn(C) backpropagated
+    directly. `backward(t)` defaults to `t.backward()` (DeepSpeed passes `engine.backward`).
+    Returns (loss detached, metrics, C (B, N) detached).
+    """
+    backward = backward or (lambda t: t.backward())
+    with torch.no_grad():
+        comp = all_composites(model, input_ids, noise, mask_token_id, packed=packed, chunk=nograd_chunk,
+                              use_module_head=use_module_head, cached=cached)
+    leaf = comp.detach().requires_grad_(True)
+    with torch.enable_grad():
+        loss, metrics = loss_fn(leaf)
+        (grad,) = torch.autograd.grad(loss, leaf)
+    N = noise.n_draws
+    step = max(1, replay_chunk)
+    for lo in range(0, N, step):
+        draws = list(range(lo, min(lo + step, N)))
+        c = composite_logprobs(model, input_ids, noise, draws, mask_token_id, packed=packed,
+                               use_module_head=use_module_head)
+        backward((c * grad[:, lo: lo + len(draws)]).sum())
+    return loss.detach(), metrics, comp
+
+
+def direct_backward(model, input_ids: torch.Tensor, noise: NoiseDraws, mask_token_id: int,
+                    loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
+                    backward: Callable[[torch.Tensor], None] | None = None, packed: bool = False,
+                    use_module_head: bool = False):
+    """Reference path: all N draws in one forward with grad, one backward (memory grows with N)."""
+    backward = backward or (lambda t: t.backward())
+    comp = all_composites(model, input_ids, noise, mask_token_id, packed=packed, chunk=0,
+                          use_module_head=use_module_head)
+    loss, metrics = loss_fn(comp)
+    backward(loss)
+    return loss.detach(), metrics, comp.detach()
