@@ -1,0 +1,1 @@
+"""Deterministic synthetic tasks for the tiny model (see `examples/tasks/generate.py`)."""
