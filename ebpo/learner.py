@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import socket
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -26,6 +24,7 @@ import torch
 
 from .algos import KL_ESTIMATORS, ebpo_loss
 from .config import doc
+from .distributed import init_distributed
 from .likelihood import all_composites, direct_backward, draw_noise, replay_backward, response_mask_from_ids
 
 LORA_TARGETS = ["query_key_value", "dense", "gate_proj", "up_proj", "down_proj"]
@@ -116,27 +115,6 @@ def lr_factor(progress: float, cfg: LearnerConfig, step_frac: float = 0.0) -> fl
     return 1.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_dist() -> None:
-    """Single-process torch.distributed (gloo on CPU, nccl on GPU) for DeepSpeed, unless already up."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
 class _Forward:
     """What the likelihood functions need: `__call__` (through the engine, so its hooks run) and the LM head."""
 
@@ -196,7 +174,7 @@ class EBPOLearner:
         if cfg.backend == "deepspeed":
             import deepspeed
 
-            _init_dist()
+            init_distributed()
             ds_config = {
                 "train_micro_batch_size_per_gpu": 1,
                 # One optimizer step per minibatch = one "micro step" per replayed draw chunk; we scale

@@ -1,0 +1,76 @@
+"""`ebpo eval`: held-out accuracy and tokens per forward of a model, per decode preset.
+
+    ebpo eval --model tiny-sft --data examples/data/math_eval.jsonl examples/data/code_eval.jsonl \\
+        --presets quality speed speed_noedit --max-new-tokens 40 --json eval.json
+
+--model takes a folder (save_pretrained layout, e.g. RUN_DIR/checkpoints/step_N/model), `tiny-sft`
+(the shipped checkpoint) or `preset:NAME[@seed]`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from .evaluation import PRESETS
+
+    ap = argparse.ArgumentParser(prog="ebpo eval", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny-sft", help="folder, tiny-sft, or preset:NAME[@seed]")
+    ap.add_argument("--data", nargs="+", default=["examples/data/math_eval.jsonl", "examples/data/code_eval.jsonl"],
+                    help=".jsonl/.json/.parquet/hf:PATH files of held-out rows (answer or tests)")
+    ap.add_argument("--presets", nargs="+", default=["quality", "speed", "speed_noedit"], choices=sorted(PRESETS))
+    ap.add_argument("--max-new-tokens", type=int, default=40)
+    ap.add_argument("--decode", default="{}", help='extra DecodeConfig fields as JSON, e.g. \'{"block_size": 8}\'')
+    ap.add_argument("--limit", type=int, default=0, help="rows per data file (0 = all)")
+    ap.add_argument("--batch-size", type=int, default=100)
+    ap.add_argument("--no-chat-template", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--samples", type=int, default=0, help="print this many sample completions per preset")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from .data import DataError, load_rows
+    from .evaluation import evaluate_rows
+    from .model.loading import load_model, load_model_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        rows = []
+        for src in args.data:
+            part = load_rows(src)
+            rows += part[: args.limit] if args.limit else part
+        decode = {"max_new_tokens": args.max_new_tokens, **json.loads(args.decode)}
+    except (DataError, json.JSONDecodeError) as e:
+        print(f"ebpo eval: {e}", file=sys.stderr)
+        return 2
+    model = load_model(args.model).eval()
+    tokenizer = load_model_tokenizer(args.model)
+    console = Console()
+    results = {}
+    for preset in args.presets:
+        res = evaluate_rows(model, tokenizer, rows, preset=preset, decode=decode, batch_size=args.batch_size,
+                            chat_template=not args.no_chat_template, keep_samples=args.samples)
+        results[preset] = {"accuracy": res.accuracy, "task_accuracy": res.task_accuracy(), "tpf": res.tpf,
+                           "forwards_per_seq": res.forwards / len(rows), "edits_per_seq": res.edits / len(rows),
+                           "wall_s": res.wall_s, "rows": len(rows), "samples": res.samples}
+        for s in res.samples:
+            console.print(f"[{preset}] {s['prompt']!r} -> {s['completion']!r} correct={s['correct']}")
+    tasks = sorted({t for r in results.values() for t in r["task_accuracy"]})
+    table = Table(title=f"{args.model}: held-out accuracy ({len(rows)} rows, greedy)")
+    for col in ["preset", *[f"{t} acc" for t in tasks], "all acc", "TPF", "edits/seq", "s"]:
+        table.add_column(col, justify="right")
+    for preset, r in results.items():
+        table.add_row(preset, *[f"{r['task_accuracy'].get(t, float('nan')):.3f}" for t in tasks],
+                      f"{r['accuracy']:.3f}", f"{r['tpf']:.2f}", f"{r['edits_per_seq']:.2f}", f"{r['wall_s']:.1f}")
+    console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "data": args.data, "decode": decode, "results": results}, f, indent=1)
+    return 0

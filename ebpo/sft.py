@@ -1,0 +1,361 @@
+"""CPT/SFT trainer: `ebpo train recipes/sft_*.yaml` / `recipes/cpt_*.yaml` (kind sft or cpt).
+
+One optimizer step, as data:
+    rows -> token examples (chat template + response + EOS for SFT, packed documents for CPT)
+      -> collate (right-pad to whole blocks; response mask)
+      -> noise (stratified t, M2T masks, T2T substitutions)            ebpo.noise
+      -> [noisy ; clean] forward, mixture loss (+ MTF second pass)     ebpo.objectives
+      -> backward (x grad_accum), clip, AdamW, warmup + cosine
+      -> metrics (JSONL + W&B), periodic held-out eval, checkpoints    ebpo.tracking / evaluation / checkpoint
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_latest, load_training_state, save_checkpoint
+from .config import load_config, save_config, to_dict
+from .data import EpochSampler, collate, encode_sft, load_rows, pack_documents
+from .distributed import init_distributed
+from .noise import make_noisy, substitution_ids
+from .objectives import mixture_loss
+from .sft_config import SFTConfig
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier at optimizer step `step` (0-based): linear warmup, then cosine down to min_ratio."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_examples(cfg: SFTConfig, tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
+    """(ids, prompt_len) per training example: SFT rows, or CPT chunks (prompt_len 0: all is response)."""
+    d = cfg.data
+    if cfg.kind == "cpt":
+        return [(c, 0) for c in pack_documents(tokenizer, [r[d.text_field] for r in rows], d.max_len)]
+    return [encode_sft(tokenizer, r[d.prompt_field], r[d.response_field], chat_template=d.chat_template,
+                       max_len=d.max_len, max_prompt_tokens=d.max_prompt_tokens) for r in rows]
+
+
+class SFTTrainer:
+    def __init__(self, cfg: SFTConfig):
+        from .model.loading import load_model, load_model_tokenizer
+        from .tracking import Tracker
+
+        self.cfg = cfg
+        tc = cfg.trainer
+        if tc.num_threads:
+            torch.set_num_threads(tc.num_threads)
+        self.resume_dir = Path(tc.resume) if tc.resume else None
+        self.run_dir = self.resume_dir or Path(tc.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+        self.tokenizer = load_model_tokenizer(cfg.model)
+        required = (cfg.data.text_field,) if cfg.kind == "cpt" else (cfg.data.prompt_field, cfg.data.response_field)
+        self.examples = build_examples(cfg, self.tokenizer, load_rows(cfg.data.train, required))
+        self.eval_rows = load_rows(cfg.data.eval) if cfg.data.eval else []
+        if cfg.eval.size and self.eval_rows:
+            from .evaluation import balanced_subset
+
+            self.eval_rows = balanced_subset(self.eval_rows, cfg.eval.size)  # every task represented
+        self.sampler = EpochSampler(len(self.examples), tc.seed, cfg.data.shuffle)
+        self.noise_gen = torch.Generator().manual_seed(tc.seed)
+        self.pending: list[list[int]] = []  # bucketed batches not served yet (saved in checkpoints)
+
+        dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
+        spec = cfg.model
+        if spec.startswith("preset:") and "@" not in spec:
+            spec = f"{spec}@{tc.seed}"  # random init seeded by trainer.seed
+        base = load_model(spec, dtype=dtype, device=self.device)
+        self.model_config = base.config
+        self.block_size = cfg.block_size or base.config.block_size
+        self.mask_id = base.config.mask_token_id
+        exclude = set(self.tokenizer.all_special_ids) - {self.tokenizer.eos_token_id} | {self.mask_id}
+        self.allowed_ids = substitution_ids(base.config.vocab_size, sorted(exclude))
+        if tc.gradient_checkpointing:
+            base.gradient_checkpointing_enable()
+        self.base = base
+        self.model = self._wrap_lora(base) if cfg.lora.enabled else base
+        self.model.train()
+        self.lm_head = base.get_output_embeddings()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: warmup_cosine(s, o.warmup_steps, tc.steps, o.min_lr_ratio))
+        self.engine = None
+        if tc.backend == "deepspeed":
+            self._init_deepspeed()
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        if self.rank:
+            self.noise_gen.manual_seed(tc.seed + 1000003 * self.rank)  # independent noise per rank
+        self.start_step, run_id = 0, None
+        if self.resume_dir:
+            run_id = self._restore()
+        self.tracker = Tracker(self.run_dir if self.rank == 0 else self.run_dir / f"rank{self.rank}", to_dict(cfg),
+                               project=tc.wandb_project, mode=tc.tracking if self.rank == 0 else "none",
+                               run_id=run_id, name=cfg.name)
+        self.n_params = sum(p.numel() for p in base.parameters())
+
+    # ----------------------------------------------------------------------------------------- setup
+    def _wrap_lora(self, base):
+        from peft import LoraConfig, get_peft_model
+
+        lc = self.cfg.lora
+        return get_peft_model(base, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                               target_modules=list(lc.target_modules), bias="none"))
+
+    def _init_deepspeed(self) -> None:
+        import deepspeed
+
+        init_distributed()
+        tc, o = self.cfg.trainer, self.cfg.optim
+        ds_config = {
+            "train_micro_batch_size_per_gpu": tc.batch_size,
+            "gradient_accumulation_steps": o.grad_accum,
+            "gradient_clipping": o.grad_clip,
+            "zero_optimization": {"stage": tc.zero_stage},
+            "bf16": {"enabled": tc.dtype == "bfloat16"},
+            "steps_per_print": 10 ** 9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=self.model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=ds_config)
+
+    def _restore(self) -> str | None:
+        step, path, state = load_latest(self.run_dir)
+        if self.engine is not None:
+            self.engine.load_checkpoint(str(path / "deepspeed"), tag="state")
+        else:
+            self._load_weights(path)
+            load_training_state(path, self.optimizer, self.scheduler)
+        load_training_state(path, None, None, {"noise": self.noise_gen})  # RNG, and the noise generator
+        self.sampler.restore(state["sampler"])
+        self.pending = [list(g) for g in state.get("pending", [])]
+        self.start_step = step
+        return state.get("wandb_run_id")
+
+    def _load_weights(self, path: Path) -> None:
+        if (path / "weights.pt").exists():  # LoRA: the adapter (and the frozen base it sits on)
+            self.model.load_state_dict(torch.load(path / "weights.pt", weights_only=True))
+        else:
+            from .model.loading import load_model
+
+            self.base.load_state_dict(load_model(str(path / "model"), dtype=next(self.base.parameters()).dtype).state_dict())
+
+    # ----------------------------------------------------------------------------------------- steps
+    def micro_batch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next n training examples as (input_ids (n, L), response_mask (n, L)).
+
+        Length bucketing: `data.bucket` batches' worth of indices are drawn, sorted by length, cut into
+        batches and served in a seeded random order, so short examples are not padded to long ones.
+        """
+        if not self.pending:
+            k, w = max(1, self.cfg.data.bucket), self.world
+            idx = sorted(self.sampler.take(n * k * w), key=lambda i: len(self.examples[i][0]))
+            # every rank draws the same order; rank r serves slice r of each global batch
+            groups = [idx[j:j + n * w][self.rank::w] for j in range(0, len(idx), n * w)]
+            random.Random(self.cfg.trainer.seed * 7919 + self.sampler.epoch * 104729 + self.sampler.pos).shuffle(groups)
+            self.pending = groups
+        idx = self.pending.pop()
+        ids, resp = collate([self.examples[i] for i in idx], self.block_size, self.tokenizer.pad_token_id)
+        return ids.to(self.device), resp.to(self.device)
+
+    def loss_on(self, clean: torch.Tensor, response: torch.Tensor, generator: torch.Generator):
+        ob = self.cfg.objective
+        nb = make_noisy(clean.cpu(), response.cpu(), mask_id=self.mask_id, t_min=ob.t_min, t_max=ob.t_max,
+                        t2t_rate=ob.t2t_rate if ob.t2t_weight > 0 else 0.0, allowed_ids=self.allowed_ids,
+                        generator=generator, min_one=ob.min_one_mask)
+        if self.device.type != "cpu":
+            nb = type(nb)(**{k: v.to(self.device) for k, v in vars(nb).items()})
+        fwd = self.engine if self.engine is not None else self.model
+        return mixture_loss(fwd, self.lm_head, clean, response, nb, ob, self.block_size, self.mask_id)
+
+    def train_step(self) -> dict:
+        tc, o = self.cfg.trainer, self.cfg.optim
+        totals: dict[str, float] = {}
+        n_tokens = 0
+        for _ in range(o.grad_accum):
+            clean, response = self.micro_batch(tc.batch_size)
+            loss, metrics, _ = self.loss_on(clean, response, self.noise_gen)
+            if self.engine is not None:
+                self.engine.backward(loss)
+                self.engine.step()
+            else:
+                (loss / o.grad_accum).backward()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v / o.grad_accum
+            n_tokens += int(clean.numel()) * 2
+        if self.engine is not None:
+            grad_norm = self.engine.get_global_grad_norm()
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        else:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            clip = o.grad_clip if o.grad_clip > 0 else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        totals["train/grad_norm"] = grad_norm
+        totals["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        totals["train/tokens"] = float(n_tokens)
+        return totals
+
+    @torch.no_grad()
+    def eval_loss(self) -> dict:
+        """Mixture loss on held-out rows with a fixed noise seed (comparable across steps)."""
+        n = self.cfg.eval.loss_rows
+        if not n or not self.eval_rows or self.cfg.kind == "cpt":
+            return {}
+        rows = [r for r in self.eval_rows if self.cfg.data.response_field in r][:n]
+        if not rows:
+            return {}
+        self.model.eval()
+        gen = torch.Generator().manual_seed(12345)
+        ex = build_examples(self.cfg, self.tokenizer, rows)
+        total, count = {}, 0
+        for s in range(0, len(ex), self.cfg.trainer.batch_size):
+            ids, resp = collate(ex[s:s + self.cfg.trainer.batch_size], self.block_size, self.tokenizer.pad_token_id)
+            _, m, _ = self.loss_on(ids.to(self.device), resp.to(self.device), gen)
+            for k in ("loss/total", "loss/m2t", "acc/m2t"):
+                if k in m:
+                    total[k] = total.get(k, 0.0) + m[k]
+            count += 1
+        self.model.train()
+        return {f"eval/{k.replace('/', '_')}": v / count for k, v in total.items()}
+
+    def evaluate(self) -> dict:
+        """Held-out loss, and accuracy/TPF per decode preset with the project's decoder."""
+        metrics = self.eval_loss()
+        if not self.eval_rows or not self.cfg.eval.presets or self.cfg.kind == "cpt":
+            return metrics
+        try:
+            from .evaluation import evaluate_rows
+        except ImportError as e:  # the decoder package is optional for training
+            print(f"[sft] held-out decoding skipped: {e}")
+            return metrics
+        self.model.eval()
+        try:
+            for preset in self.cfg.eval.presets:
+                res = evaluate_rows(self.base, self.tokenizer, self.eval_rows, preset=preset,
+                                    decode=self.cfg.eval.decode, batch_size=self.cfg.eval.batch_size,
+                                    chat_template=self.cfg.data.chat_template,
+                                    prompt_field=self.cfg.data.prompt_field)
+                metrics.update(res.metrics(prefix=f"eval/{preset}/"))
+        finally:
+            self.model.train()
+        return metrics
+
+    def save(self, step: int) -> Path:
+        tc = self.cfg.trainer
+        state = {"sampler": self.sampler.state(), "pending": self.pending, "wandb_run_id": self.tracker.run_id}
+        if self.engine is not None:
+            return save_checkpoint(self.run_dir, step, self.export_model(), extra_state=state, keep_last=tc.keep_last,
+                                   tokenizer=self.tokenizer, generators={"noise": self.noise_gen},
+                                   save_fn=lambda d: self.engine.save_checkpoint(str(d / "deepspeed"), tag="state"))
+        extra = None
+        if self.cfg.lora.enabled:
+            extra = lambda d: torch.save(self.model.state_dict(), d / "weights.pt")  # noqa: E731
+        return save_checkpoint(self.run_dir, step, self.export_model(), self.optimizer, self.scheduler,
+                               extra_state=state, keep_last=tc.keep_last, tokenizer=self.tokenizer,
+                               generators={"noise": self.noise_gen}, save_fn=extra)
+
+    def export_model(self):
+        """A plain `LLaDA2MoeModelLM` with the trained weights (LoRA merged into a copy)."""
+        if not self.cfg.lora.enabled:
+            return self.base
+        import copy
+
+        return copy.deepcopy(self.model).merge_and_unload()
+
+    def export(self, folder: str | Path) -> Path:
+        """save_pretrained (in trainer.export_dtype) + tokenizer into `folder`."""
+        folder = Path(folder)
+        model = self.export_model()
+        if self.cfg.trainer.export_dtype == "bfloat16":
+            import copy
+
+            model = copy.deepcopy(model).to(torch.bfloat16)
+        model.save_pretrained(str(folder))
+        self.tokenizer.save_pretrained(str(folder))
+        return folder
+
+    # ----------------------------------------------------------------------------------------- loop
+    def fit(self) -> list[dict]:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        tc, ev = self.cfg.trainer, self.cfg.eval
+        last = tc.steps if tc.stop_after is None else min(tc.steps, tc.stop_after)
+        history: list[dict] = []
+        columns = [TextColumn(f"[bold]{self.cfg.kind.upper()}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+        t_start = time.perf_counter()
+        window: dict[str, float] = {}
+        n_window = 0
+        with Progress(*columns, disable=not tc.progress) as progress:
+            task = progress.add_task("train", total=tc.steps, completed=self.start_step, info="")
+            for step in range(self.start_step + 1, last + 1):
+                t0 = time.perf_counter()
+                m = self.train_step()
+                m["timing_s/step"] = time.perf_counter() - t0
+                for k, v in m.items():
+                    window[k] = window.get(k, 0.0) + v
+                n_window += 1
+                metrics = {}
+                if step % tc.log_every == 0 or step == last:
+                    metrics = {k: v / n_window for k, v in window.items()}
+                    metrics["train/tokens"] = window["train/tokens"]
+                    metrics["perf/train_tokens_per_s"] = window["train/tokens"] / max(window["timing_s/step"], 1e-9)
+                    metrics["timing_s/elapsed"] = time.perf_counter() - t_start
+                    window, n_window = {}, 0
+                if (ev.every and step % ev.every == 0) or step == tc.steps:
+                    metrics.update(self.evaluate())
+                if metrics:
+                    self.tracker.log(metrics, step=step)
+                    history.append({"step": step, **metrics})
+                acc = " ".join(f"{k.split('/')[1]}/{k.split('/')[2]} {v:.2f}" for k, v in metrics.items()
+                               if k.startswith("eval/") and k.endswith("/accuracy"))
+                progress.update(task, advance=1, info=f"loss {m['loss/total']:.3f} {acc}")
+                if (tc.save_every and step % tc.save_every == 0) or step == last:
+                    self.save(step)
+        if last == tc.steps and tc.export_dir:
+            self.export(tc.export_dir)
+        return history
+
+    def close(self) -> None:
+        if self.cfg.trainer.plots and (self.run_dir / "metrics.jsonl").exists():
+            from .plots import plot_run
+
+            plot_run(self.run_dir, PLOTS)
+        self.tracker.finish()
+
+
+PLOTS = {
+    "loss.png": ("Training loss", ["loss/total", "loss/m2t", "loss/t2t_restore", "loss/t2t_keep", "loss/mtf",
+                                   "eval/loss_total"]),
+    "eval_accuracy.png": ("Held-out accuracy", None),
+    "lr.png": ("Learning rate", ["train/lr"]),
+}
+
+
+def run(recipe: str | None, overrides: list[str]) -> Path:
+    """Entry point of `ebpo train` for kinds sft and cpt: check the recipe, train, plot; returns the run dir."""
+    cfg = load_config(SFTConfig, recipe, overrides)
+    trainer = SFTTrainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    print(f"run directory: {trainer.run_dir}")
+    return trainer.run_dir
