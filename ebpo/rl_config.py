@@ -6,17 +6,19 @@ print('\\n'.join(describe(RLConfig)))"` for every key with its documentation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
 
 from .config import doc
 
 
 @dataclass
 class DataConfig:
-    train: str = doc("training prompts: .jsonl, .parquet or hf:NAME[:split] (local datasets only)",
+    train: Union[str, list[str]] = doc("training prompts: .jsonl, .parquet or hf:NAME[:split] (local datasets "
+                                       "only), or a list of them",
                      "examples/data/math_train.jsonl")
-    eval: Optional[str] = doc("held-out prompts for greedy Quality Mode evaluation; null = no eval", None)
+    eval: Union[str, list[str], None] = doc("held-out prompts (or a list of sources) for greedy Quality Mode "
+                                            "evaluation; null = no eval", None)
     prompt_field: str = doc("row field holding the user prompt", "prompt")
     chat_template: bool = doc("wrap prompts in the tokenizer's chat template", True)
     max_prompt_tokens: int = doc("longer prompts are cut from the left", 256)
@@ -78,6 +80,10 @@ class TrainerConfig:
     save_every: int = doc("checkpoint every k steps (0 = only at the end)", 0)
     keep_last: int = doc("checkpoints kept", 2)
     filter_zero_std: bool = doc("drop groups whose rewards are all equal (no learning signal)", False)
+    advantage: Literal["grpo", "rloo"] = doc("advantage estimator, computed per prompt group", "grpo")
+    advantage_std: bool = doc("GRPO: divide by the group's reward std (Dr. GRPO style when false)", True)
+    stop_after: Optional[int] = doc("stop after this step although `steps` is larger (staged runs; the LR "
+                                    "schedule still spans `steps`)", None)
     run_dir: Optional[str] = doc("run directory; default runs/<name>-<timestamp>", None)
     resume: Optional[str] = doc("continue the run in this directory from its latest checkpoint", None)
     tracking: Literal["wandb", "none"] = doc("W&B tracking (offline without an API key); JSONL always", "wandb")

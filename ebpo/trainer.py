@@ -1,0 +1,435 @@
+"""The RL driver: `ebpo train recipes/rl_*.yaml key=value ...`.
+
+One step, as in DESIGN.md:
+
+    prompts -> rollout workers (G samples each, temperature sampling)   -> reward workers (scores)
+            -> advantages per prompt group -> learner (old composite, mu epochs of EBPO)
+            -> weights to the rollout workers -> metrics, sample table, checkpoint
+
+The driver holds no model: rollout, reward and learner workers are Ray actors (a local Ray instance is
+started when no address is configured). Every source of randomness derives from `trainer.seed` and the
+step number, so a run resumed from a checkpoint repeats the uninterrupted run's later steps.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .config import build, load_config, save_config, to_dict
+from .rl_batch import build_learner_batch, filter_groups, reward_metrics, rollout_metrics, zero_std_groups
+from .rl_config import RLConfig
+
+log = logging.getLogger("ebpo")
+
+
+def derive_seed(*parts: int) -> int:
+    """Deterministic 63-bit seed from integers (step, sample index, ...): no global RNG involved."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
+def _solved(result: dict) -> float:
+    """1.0 when every reward that applies to the row (not skipped) gives full marks, else 0.0.
+
+    With `fns: [math, code]` on mixed prompts, math rows are judged by `math` (code skips them: no tests)
+    and code rows by `code`; a row no reward applies to counts as unsolved."""
+    values = [v for v in result["rewards"].values() if v is not None]
+    return float(bool(values) and all(v >= 1 - 1e-6 for v in values))
+
+
+class PromptSampler:
+    """Epoch-wise shuffled, resumable stream of training rows; its state is (epoch, position)."""
+
+    def __init__(self, rows: list[dict], seed: int, shuffle: bool = True):
+        if not rows:
+            raise ValueError("data.train: the training set is empty")
+        self.rows, self.seed, self.shuffle = rows, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(derive_seed(self.seed, self.epoch)).shuffle(order)
+        return order
+
+    def next(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._make_order()
+            out.append(self.rows[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def restore(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._make_order()
+
+
+class LearnerActor:
+    """Builds the learner inside its own process (so the driver never holds a model) and forwards calls."""
+
+    def __init__(self, model_spec: str, learner_fields: dict, num_threads: int = 0):
+        torch.set_num_threads(num_threads or os.cpu_count() or 1)
+        from .learner import EBPOLearner, LearnerConfig
+        from .model.loading import load_model
+
+        self.learner = EBPOLearner(load_model(model_spec), build(LearnerConfig, learner_fields, "learner."))
+
+    def update(self, batch: dict) -> dict:
+        return self.learner.update(batch)
+
+    def state_dict_for_sync(self) -> dict:
+        return self.learner.state_dict_for_sync()
+
+    def save(self, path: str) -> None:
+        self.learner.save(path)
+
+    def load(self, path: str) -> None:
+        self.learner.load(path)
+
+    def export(self, path: str) -> None:
+        self.learner.get_model().save_pretrained(path)
+
+
+class RLTrainer:
+    def __init__(self, cfg: RLConfig, recipe_name: str = "rl"):
+        import ray
+
+        from rewards import RewardWorker
+
+        from .data import load_rows
+        from .learner import LearnerConfig
+        from .model.loading import load_model_tokenizer, resolve_model_path
+        from .tracking import Tracker
+
+        self.cfg = cfg
+        self.ray = ray
+        tc = cfg.trainer
+        self.resume_dir = Path(tc.resume) if tc.resume else None
+        self.run_dir = self.resume_dir or Path(tc.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+        learner_fields = {"total_steps": tc.steps, "seed": tc.seed, **cfg.learner}
+        self.learner_cfg = build(LearnerConfig, learner_fields, "learner.")  # fail now, not inside an actor
+        self.model_spec = resolve_model_path(cfg.model)
+        self.tokenizer = load_model_tokenizer(self.model_spec)
+        self.train_rows = load_rows(cfg.data.train)
+        self.eval_rows = load_rows(cfg.data.eval) if cfg.data.eval else []
+        if tc.eval_size and self.eval_rows:
+            self.eval_rows = self.eval_rows[: tc.eval_size]
+        self.sampler = PromptSampler(self.train_rows, tc.seed, cfg.data.shuffle)
+        self.reward_specs = [(f.fn, f.weight, f.kwargs) for f in cfg.reward.fns]
+        from rewards import as_spec
+
+        self.reward_names = [as_spec(s).name for s in self.reward_specs]
+        self.events: list[str] = []
+        self.start_step = 0
+        self.latest_weights = None  # ObjectRef of the last synced state_dict (restarted workers load it)
+        self.version = 0
+        self.eos_id = self.tokenizer.eos_token_id
+
+        # A user's reward is checked once, in-process, on a real row, before any actor starts.
+        with RewardWorker(self.reward_specs, num_workers=1, timeout_s=cfg.reward.timeout_s,
+                          default_score=cfg.reward.default_score) as probe:
+            probe.dry_run(self._reward_sample(self.train_rows[0], ""))
+
+        if not ray.is_initialized():
+            ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
+                     log_to_driver=False, logging_level=logging.WARNING)
+        self._start_actors()
+        run_id = None
+        if self.resume_dir:
+            run_id = self._restore()
+        self.tracker = Tracker(self.run_dir, to_dict(cfg), project=tc.wandb_project, mode=tc.tracking, run_id=run_id)
+
+    # ----------------------------------------------------------------------------------------- actors
+    def _start_actors(self) -> None:
+        from rewards import RewardWorker
+
+        from rollout.worker import RolloutWorker
+
+        from .actors import ResilientActor
+
+        cfg, ray = self.cfg, self.ray
+        decode = {"preset": cfg.rollout.preset, **cfg.rollout.decode}
+        threads = cfg.rollout.num_threads or os.cpu_count() or 1
+        rollout_cls = ray.remote(num_cpus=0, num_gpus=cfg.ray.rollout_gpus)(RolloutWorker)
+        reward_cls = ray.remote(num_cpus=cfg.ray.reward_cpus)(RewardWorker)
+        learner_cls = ray.remote(num_cpus=0, num_gpus=cfg.ray.learner_gpus)(LearnerActor)
+        placement = self._placement()
+
+        def rollout_factory(i: int):
+            return rollout_cls.options(**placement(i)).remote(
+                self.model_spec, decode, num_threads=threads, fp8=cfg.rollout.fp8,
+                device="cuda" if cfg.ray.rollout_gpus > 0 else "cpu",
+                weights=self.latest_weights, weights_version=self.version)
+
+        def reward_factory():
+            return reward_cls.remote(self.reward_specs, num_workers=cfg.reward.num_workers,
+                                     timeout_s=cfg.reward.timeout_s, default_score=cfg.reward.default_score)
+
+        retries = cfg.trainer.max_retries
+        self.rollout_workers = [ResilientActor(f"rollout-{i}", functools.partial(rollout_factory, i), retries,
+                                               self._event) for i in range(cfg.rollout.num_workers)]
+        self.reward_workers = [ResilientActor(f"reward-{i}", reward_factory, retries, self._event)
+                               for i in range(cfg.reward.num_actors)]
+        self.learner = learner_cls.options(**placement(cfg.rollout.num_workers)).remote(
+            self.model_spec, asdict(self.learner_cfg), cfg.rollout.num_threads)
+
+    def _placement(self):
+        """index -> actor options. With `ray.colocate`, one STRICT_PACK placement group holds a bundle per
+        rollout worker (0..n-1) and one for the learner (n), so they share a node (and its GPUs); a restarted
+        rollout worker returns to its own bundle. Otherwise Ray's default scheduler places each actor."""
+        cfg, ray = self.cfg, self.ray
+        if not cfg.ray.colocate:
+            return lambda i: {}
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        def bundle(gpus: float) -> dict:
+            return {"CPU": 1.0, **({"GPU": gpus} if gpus > 0 else {})}
+
+        bundles = [bundle(cfg.ray.rollout_gpus)] * cfg.rollout.num_workers + [bundle(cfg.ray.learner_gpus)]
+        self.placement_group = placement_group(bundles, strategy="STRICT_PACK", name=f"{cfg.name}-policy")
+        if not self.placement_group.wait(timeout_seconds=120):
+            raise RuntimeError(f"ray.colocate: the cluster cannot place {bundles} on one node within 120 s; "
+                               "lower ray.rollout_gpus / ray.learner_gpus or set ray.colocate=false")
+        return lambda i: {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=self.placement_group, placement_group_bundle_index=i)}
+
+    def _event(self, message: str) -> None:
+        log.warning(message)
+        self.events.append(message)
+
+    # ----------------------------------------------------------------------------------------- pieces
+    def encode_prompt(self, row: dict) -> list[int]:
+        text = row[self.cfg.data.prompt_field]
+        if self.cfg.data.chat_template:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True, tokenize=False)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids[-self.cfg.data.max_prompt_tokens:]
+
+    def _reward_sample(self, row: dict, completion: str) -> dict:
+        return {"prompt": row[self.cfg.data.prompt_field], "completion": completion, "answer": row.get("answer"),
+                "tests": row.get("tests"), "metadata": {k: v for k, v in row.items()
+                                                        if k not in ("prompt", "answer", "tests", "response")}}
+
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None) -> list[dict]:
+        """Spread prompts over the rollout workers, in order; a dead worker is restarted and its share retried."""
+        from .actors import split_evenly
+
+        chunks = split_evenly(list(zip(prompt_ids, seeds)), len(self.rollout_workers))
+        tickets = [w.submit("generate", [p for p, _ in c], [s for _, s in c], decode)
+                   for w, c in zip(self.rollout_workers, chunks) if c]
+        return [o for w, t in zip(self.rollout_workers, tickets) for o in w.result(t)]
+
+    def score(self, samples: list[dict]) -> list[dict]:
+        """Spread samples over the reward actors; each scores within its hard per-call timeout."""
+        from .actors import split_evenly
+
+        chunks = split_evenly(samples, len(self.reward_workers))
+        tickets = [w.submit("score", c) for w, c in zip(self.reward_workers, chunks) if c]
+        return [r for w, t in zip(self.reward_workers, tickets) for r in w.result(t)]
+
+    def sync_weights(self) -> None:
+        self.version += 1
+        self.latest_weights = self.learner.state_dict_for_sync.remote()
+        tickets = [w.submit("load_weights", self.latest_weights, self.version) for w in self.rollout_workers]
+        for w, t in zip(self.rollout_workers, tickets):
+            w.result(t)
+
+    # ----------------------------------------------------------------------------------------- the step
+    def step(self, step: int) -> dict:
+        cfg, G = self.cfg, self.cfg.rollout.group_size
+        times: dict[str, float] = {}
+
+        @contextmanager
+        def timed(name):
+            t0 = time.perf_counter()
+            yield
+            times[f"timing_s/{name}"] = time.perf_counter() - t0
+
+        t_step = time.perf_counter()
+        rows = self.sampler.next(cfg.rollout.prompts_per_step)
+        prompts = [self.encode_prompt(r) for r in rows]
+        prompt_ids = [p for p in prompts for _ in range(G)]
+        group_ids = torch.arange(len(rows)).repeat_interleave(G)
+        seeds = [derive_seed(cfg.trainer.seed, step, i) for i in range(len(prompt_ids))]
+        with timed("rollout"):
+            samples = self.generate(prompt_ids, seeds)
+        with timed("reward"):
+            results = self.score([self._reward_sample(rows[i // G], s["text"]) for i, s in enumerate(samples)])
+        scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
+
+        from .algos import compute_advantages
+
+        advantages = compute_advantages(scores, group_ids, method=cfg.trainer.advantage,
+                                        std_normalize=cfg.trainer.advantage_std)
+        metrics = reward_metrics(scores, group_ids, {n: [r["rewards"].get(n) for r in results]
+                                                     for n in self.reward_names})
+        metrics["reward/timeouts"] = float(sum(bool(r.get("timeout")) for r in results))
+        metrics["reward/errors"] = float(sum(bool(r.get("error")) for r in results))
+        max_new = int(cfg.rollout.decode.get("max_new_tokens", 0) or 0) or max(len(s["token_ids"]) for s in samples)
+        metrics.update(rollout_metrics(samples, max_new, times["timing_s/rollout"]))
+
+        keep = torch.ones(len(samples), dtype=torch.bool)
+        if cfg.trainer.filter_zero_std:
+            keep = filter_groups(~zero_std_groups(scores, group_ids), group_ids)
+        metrics["train/samples"] = float(keep.sum())
+        if keep.any():
+            idx = keep.nonzero().flatten().tolist()
+            batch = build_learner_batch([prompt_ids[i] for i in idx], [samples[i]["token_ids"] for i in idx],
+                                        advantages[keep], group_ids[keep], pad_id=self.eos_id)
+            t0 = time.perf_counter()
+            metrics.update(self.ray.get(self.learner.update.remote(batch)))
+            train_tokens = int(batch["input_ids"].numel())
+            metrics["perf/train_tokens_per_s"] = train_tokens / max(time.perf_counter() - t0, 1e-9)
+            with timed("sync"):
+                self.sync_weights()
+        metrics.update(times)
+        metrics["timing_s/step"] = time.perf_counter() - t_step
+        metrics["faults/restarts"] = float(sum(w.restarts for w in self.rollout_workers + self.reward_workers))
+        table = [[rows[i // G][cfg.data.prompt_field], samples[i]["text"], float(scores[i]), samples[i]["tpf"]]
+                 for i in range(0, len(samples), max(1, len(samples) // max(cfg.trainer.samples_per_step, 1)))]
+        self.tracker.log_table("samples", ["prompt", "completion", "reward", "tpf"],
+                               table[: cfg.trainer.samples_per_step], step)
+        return metrics
+
+    def evaluate(self) -> dict:
+        """Greedy Quality-Mode accuracy on the held-out rows, per task and overall (see `_solved`)."""
+        if not self.eval_rows:
+            return {}
+        decode = {"preset": self.cfg.rollout.eval_preset, **self.cfg.rollout.eval_decode}
+        prompts = [self.encode_prompt(r) for r in self.eval_rows]
+        outs = self.generate(prompts, [0] * len(prompts), decode)
+        results = self.score([self._reward_sample(r, o["text"]) for r, o in zip(self.eval_rows, outs)])
+        per_task: dict[str, list[float]] = {}
+        for row, res in zip(self.eval_rows, results):
+            per_task.setdefault(row.get("task") or self.reward_names[0], []).append(_solved(res))
+        m = {f"eval/{t}/accuracy": sum(v) / len(v) for t, v in per_task.items()}
+        solved = [x for v in per_task.values() for x in v]
+        m["eval/accuracy"] = sum(solved) / len(solved)
+        m["eval/tpf"] = sum(len(o["token_ids"]) for o in outs) / max(sum(o["num_forwards"] for o in outs), 1)
+        return m
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    def save(self, step: int) -> Path:
+        ckpt_root = self.run_dir / "checkpoints"
+        path = ckpt_root / f"step_{step}"
+        tmp = ckpt_root / f".tmp_step_{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.ray.get(self.learner.save.remote(str(tmp / "learner")))
+        self.ray.get(self.learner.export.remote(str(tmp / "model")))  # `ebpo export` reads this
+        self.tokenizer.save_pretrained(str(tmp / "model"))
+        state = {"step": step, "sampler": self.sampler.state(), "version": self.version,
+                 "wandb_run_id": self.tracker.run_id, "events": self.events}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)  # a crash mid-save never leaves a half checkpoint behind `latest`
+        (ckpt_root / "latest").write_text(path.name)
+        kept = sorted((p for p in ckpt_root.glob("step_*")), key=lambda p: int(p.name.split("_")[1]))
+        for old in kept[: -self.cfg.trainer.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def _restore(self) -> str | None:
+        latest = self.run_dir / "checkpoints" / "latest"
+        if not latest.exists():
+            raise FileNotFoundError(f"trainer.resume: no checkpoint in {self.run_dir}/checkpoints")
+        path = self.run_dir / "checkpoints" / latest.read_text().strip()
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.ray.get(self.learner.load.remote(str(path / "learner")))
+        self.sampler.restore(state["sampler"])
+        self.start_step = state["step"]
+        self.version = state["version"]
+        self.events = state.get("events", [])
+        self.sync_weights()
+        return state.get("wandb_run_id")
+
+    # ----------------------------------------------------------------------------------------- the loop
+    def fit(self) -> list[dict]:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        tc = self.cfg.trainer
+        history: list[dict] = []
+        if self.start_step == 0 and self.eval_rows:
+            self.tracker.log(self.evaluate(), step=0)
+        last = tc.steps if tc.stop_after is None else min(tc.steps, tc.stop_after)
+        columns = [TextColumn("[bold]RL"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
+        with Progress(*columns, disable=not tc.progress, transient=False) as progress:
+            task = progress.add_task("rl", total=tc.steps, completed=self.start_step, info="")
+            for step in range(self.start_step + 1, last + 1):
+                metrics = self.step(step)
+                if self.eval_rows and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps):
+                    metrics.update(self.evaluate())
+                self.tracker.log(metrics, step=step)
+                history.append({"step": step, **metrics})
+                acc = {k: v for k, v in metrics.items() if k.startswith("eval/") and k.endswith("accuracy")}
+                progress.update(task, advance=1, info=f"reward {metrics['reward/mean']:.3f} "
+                                + " ".join(f"{k.split('/')[1]} acc {v:.3f}" for k, v in acc.items()))
+                if (tc.save_every and step % tc.save_every == 0) or step == last:
+                    self.save(step)
+        return history
+
+    def close(self) -> None:
+        """Plots, W&B finish, then the actors and the placement group are released (the Ray instance stays)."""
+        try:
+            if self.cfg.trainer.plots:
+                from .plots import plot_run
+
+                plot_run(self.run_dir)
+            self.tracker.finish()
+        finally:
+            self._stop_actors()
+
+    def _stop_actors(self) -> None:
+        ray = self.ray
+        try:  # reward actors own worker processes: close them before the actor goes
+            ray.get([w.handle.close.remote() for w in self.reward_workers], timeout=30)
+        except Exception:  # noqa: BLE001 (an actor that is already gone needs no closing)
+            pass
+        for handle in [w.handle for w in self.rollout_workers + self.reward_workers] + [self.learner]:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        if getattr(self, "placement_group", None) is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+def run(recipe: str | None, overrides: list[str]) -> Path:
+    """Entry point of `ebpo train` for kind rl: load and check the recipe, train, plot, return the run dir."""
+    cfg = load_config(RLConfig, recipe, overrides)
+    if cfg.trainer.tracking == "wandb" and not os.environ.get("WANDB_API_KEY"):
+        os.environ.setdefault("WANDB_MODE", "offline")
+    trainer = RLTrainer(cfg, Path(recipe).stem if recipe else "rl")
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    print(f"run directory: {trainer.run_dir}")
+    return trainer.run_dir

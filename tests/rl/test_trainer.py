@@ -1,0 +1,137 @@
+"""End-to-end RL through real Ray actors on the tiny model (random init: fast and independent of training)."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ebpo.config import load_config  # noqa: E402
+from ebpo.rl_config import RLConfig  # noqa: E402
+
+DESIGN_METRICS = [
+    "reward/mean", "reward/std", "reward/math/mean", "reward/timeouts", "reward/errors", "frac_zero_std_groups",
+    "response_length/mean", "response_length/max", "response_length/clip_ratio",
+    "decode/tpf", "decode/forwards", "decode/edits_per_seq",
+    "actor/pg_loss", "actor/clipfrac_low", "actor/clipfrac_high", "actor/log_ratio_mean", "actor/kl",
+    "actor/grad_norm", "actor/lr",
+    "timing_s/rollout", "timing_s/reward", "timing_s/old_logprob", "timing_s/update", "timing_s/sync", "timing_s/step",
+    "perf/rollout_tokens_per_s", "perf/train_tokens_per_s",
+]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def data(tmp_path):
+    rows = [{"prompt": f"What is {a}+{b}?", "answer": str(a + b), "task": "math"} for a in range(3) for b in range(4)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(json.dumps(r) for r in rows))
+    held = tmp_path / "eval.jsonl"
+    held.write_text("\n".join(json.dumps(r) for r in rows[:4]))
+    return train, held
+
+
+def make_cfg(tmp_path, data, run_dir, *extra):
+    train, held = data
+    overrides = [
+        "model=preset:tiny@0", f"data.train={train}", f"data.eval={held}", f"trainer.run_dir={run_dir}",
+        "rollout.prompts_per_step=2", "rollout.group_size=3", "rollout.decode={max_new_tokens: 16, temperature: 1.0}",
+        "rollout.eval_decode={max_new_tokens: 8}", "trainer.tracking=wandb", "trainer.progress=false",
+        "trainer.plots=true", "learner={n_draws: 2, mu: 1, lr: 0.001}", "reward.num_workers=1",
+        "reward.timeout_s=5", *extra,
+    ]
+    return load_config(RLConfig, None, overrides)
+
+
+def read_metrics(run_dir):
+    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
+
+def train(cfg):
+    from ebpo.trainer import RLTrainer
+
+    trainer = RLTrainer(cfg)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    return trainer, history
+
+
+def test_two_steps_log_every_design_metric_and_checkpoint(ray_local, tmp_path, data, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    trainer, history = train(make_cfg(tmp_path, data, run_dir, "trainer.steps=2", "trainer.save_every=1"))
+    assert [h["step"] for h in history] == [1, 2]
+    for name in DESIGN_METRICS:
+        for h in history:
+            assert name in h, name
+            assert math.isfinite(h[name]), (name, h[name])
+    logged = read_metrics(run_dir)
+    assert any("eval/math/accuracy" in r for r in logged)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert (run_dir / "checkpoints" / "step_2" / "trainer_state.json").exists()
+    assert (run_dir / "config.yaml").exists()
+    assert list((run_dir / "plots").glob("*.png"))
+    assert list(run_dir.rglob("*.wandb")), "an offline W&B run should be written inside the run directory"
+
+
+def test_resume_repeats_the_uninterrupted_run(ray_local, tmp_path, data):
+    full, _ = train(make_cfg(tmp_path, data, tmp_path / "full", "trainer.steps=3", "trainer.tracking=none",
+                             "data.eval=null"))
+    staged_dir = tmp_path / "staged"
+    train(make_cfg(tmp_path, data, staged_dir, "trainer.steps=3", "trainer.stop_after=2", "trainer.tracking=none",
+                   "data.eval=null"))
+    assert not any(r["step"] == 3 for r in read_metrics(staged_dir))
+    train(make_cfg(tmp_path, data, staged_dir, "trainer.steps=3", f"trainer.resume={staged_dir}",
+                   "trainer.tracking=none", "data.eval=null"))
+    a = [r for r in read_metrics(tmp_path / "full") if r["step"] == 3][0]
+    b = [r for r in read_metrics(staged_dir) if r["step"] == 3][0]
+    compared = [k for k in a if k.startswith(("reward/", "actor/", "response_length/", "decode/"))]
+    assert len(compared) > 10
+    for k in compared:
+        assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), k
+
+
+def test_killed_reward_actor_is_replaced_and_the_run_goes_on(ray_local, tmp_path, data):
+    from ebpo.trainer import RLTrainer
+
+    trainer = RLTrainer(make_cfg(tmp_path, data, tmp_path / "k", "trainer.steps=2", "trainer.tracking=none",
+                                 "data.eval=null"))
+    try:
+        trainer.step(1)
+        ray.kill(trainer.reward_workers[0].handle, no_restart=True)
+        metrics = trainer.step(2)
+    finally:
+        trainer.close()
+    assert metrics["faults/restarts"] == 1.0
+    assert math.isfinite(metrics["reward/mean"]) and math.isfinite(metrics["actor/pg_loss"])
+    assert any("reward-0 died" in e for e in trainer.events)
+
+
+def test_custom_reward_file_is_called(ray_local, tmp_path, data):
+    calls = tmp_path / "calls.txt"
+    reward_file = tmp_path / "my_reward.py"
+    reward_file.write_text(
+        "def score(*, prompt, completion, answer=None, tests=None, metadata=None, **_):\n"
+        f"    with open({str(calls)!r}, 'a') as f:\n"
+        "        f.write(prompt.replace('\\n', ' ') + '\\n')\n"
+        "    return 0.25\n")
+    _, history = train(make_cfg(tmp_path, data, tmp_path / "c", "trainer.steps=1", "trainer.tracking=none",
+                                "data.eval=null", f"reward.fns=[{{fn: '{reward_file}:score'}}]",
+                                "ray.colocate=true", "name=colocated"))
+    lines = calls.read_text().splitlines()
+    assert len(lines) >= 6  # 2 prompts x 3 samples (+ the start-up dry run)
+    assert all(l.startswith("What is") for l in lines)
+    assert history[0]["reward/mean"] == pytest.approx(0.25)
+    # ray.colocate=true: rollout + learner ran in one STRICT_PACK placement group, released at close
+    groups = [g for g in ray.util.placement_group_table().values() if g["name"] == "colocated-policy"]
+    assert len(groups) == 1 and groups[0]["strategy"] == "STRICT_PACK" and groups[0]["state"] == "REMOVED"
+
