@@ -3,7 +3,8 @@
 Layout (DeepSeek-V3 / LLaDA2.1 FP8 inference):
   - weights (N, K): 128 x 128 blocks, one fp32 scale each -> scale (ceil(N/128), ceil(K/128));
   - activations (..., K): per token, groups of 128 along K, one fp32 scale each -> (..., ceil(K/128)).
-  scale = max(amax, 1e-10) / 448 and q = clamp(x / scale, -448, 448) cast to float8_e4m3fn.
+  scale = max(amax, 1e-10) / 448 and q = clamp(x / scale, -448, 448) cast to float8_e4m3fn, both divisions
+  correctly rounded on every device (see `_div_by_fp8_max`), so CPU, CUDA and Triton agree bit for bit.
 
 `fp8_block_matmul` quantises the activations on the fly and returns x_deq @ w_deq^T. The torch path
 dequantises and multiplies in fp32 (the reference); the Triton path (CUDA) multiplies fp8 tiles with fp32
@@ -24,6 +25,15 @@ EPS = 1e-10  # amax floor: an all-zero block gets a tiny scale instead of a divi
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _div_by_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 with IEEE division on every device.
+
+    On CUDA, torch evaluates `tensor / python_scalar` as `tensor * (1 / scalar)` (two roundings; it differs
+    from the division for about half of all inputs), while CPU torch and the Triton kernels divide. A 0-dim
+    divisor on the tensor's own device takes the elementwise division path everywhere."""
+    return amax / torch.full((), FP8_MAX, dtype=amax.dtype, device=amax.device)
 
 
 def quantize_weight_blockwise(w: torch.Tensor, block: int = BLOCK, backend: str = "auto",
@@ -48,7 +58,7 @@ def quantize_weight_blockwise(w: torch.Tensor, block: int = BLOCK, backend: str 
         q, s = q.view(*lead, N, K), s.view(*lead, nb, kb)
     else:
         wp = F.pad(w.float(), (0, kb * block - K, 0, nb * block - N)).view(*lead, nb, block, kb, block)
-        s = wp.abs().amax(dim=(-3, -1)).clamp_min(EPS) / FP8_MAX
+        s = _div_by_fp8_max(wp.abs().amax(dim=(-3, -1)).clamp_min(EPS))
         q = (wp / s[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         q = q.view(*lead, nb * block, kb * block)[..., :N, :K]
         if out is None:
@@ -80,7 +90,7 @@ def quantize_act_per_token_group(x: torch.Tensor, group: int = BLOCK, backend: s
         return q.view(*lead, K), s.view(*lead, -1)
     g = _cdiv(K, group)
     xp = F.pad(x.float(), (0, g * group - K)).view(*lead, g, group)
-    scale = xp.abs().amax(-1).clamp_min(EPS) / FP8_MAX
+    scale = _div_by_fp8_max(xp.abs().amax(-1).clamp_min(EPS))
     q = (xp / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(*lead, g * group)[..., :K].contiguous(), scale
 
@@ -115,13 +125,18 @@ def fp8_block_matmul(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor
         if x_scale is None:
             raise ValueError("fp8_block_matmul: an fp8 x needs its x_scale")
         xq, xs = x2, x_scale.reshape(x2.shape[0], -1)
+    elif triton_path:
+        from . import fp8_triton
+
+        # scales column-major: the GEMM reads a row tile's scales of one K step contiguously
+        xq, xs = fp8_triton.act_quant(x2.contiguous(), BLOCK, scale_t=True)
     else:
-        xq, xs = quantize_act_per_token_group(x2, BLOCK, backend="triton" if triton_path else "torch")
+        xq, xs = quantize_act_per_token_group(x2, BLOCK, backend="torch")
     if triton_path:
         from . import fp8_triton
 
-        y = fp8_triton.block_gemm(xq.contiguous(), xs.float().contiguous(), w_fp8.contiguous(),
-                                  w_scale.float().contiguous(), out_dtype)
+        y = fp8_triton.block_gemm(xq.contiguous(), xs.float(), w_fp8.contiguous(), w_scale.float().contiguous(),
+                                  out_dtype)
     else:
         xd = dequantize_act_per_token_group(xq, xs)
         y = (xd @ dequantize_weight_blockwise(w_fp8, w_scale).t()).to(out_dtype)
