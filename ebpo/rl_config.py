@@ -53,6 +53,8 @@ class RewardFnConfig:
     fn: str = doc("built-in reward name (math, code, format_boxed, ...) or module:function / path.py:function")
     weight: float = doc("weight in the combined score", 1.0)
     kwargs: dict = doc("extra keyword arguments passed to the reward", default_factory=dict)
+    judge: bool = doc("this reward decides whether a held-out row is solved (false for shaping rewards such as "
+                      "partial credit: they shape training but do not define correctness)", True)
 
 
 @dataclass
@@ -67,6 +69,8 @@ class RewardConfig:
     def validate(self):
         if not self.fns:
             raise ValueError("reward.fns: at least one reward is required")
+        if not any(f.judge for f in self.fns):
+            raise ValueError("reward.fns: at least one reward needs judge: true (it decides held-out accuracy)")
         if self.timeout_s <= 0:
             raise ValueError("reward.timeout_s: must be positive")
 

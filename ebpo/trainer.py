@@ -40,12 +40,14 @@ def derive_seed(*parts: int) -> int:
     return h
 
 
-def _solved(result: dict) -> float:
-    """1.0 when every reward that applies to the row (not skipped) gives full marks, else 0.0.
+def _solved(result: dict, judges: list[str] | None = None) -> float:
+    """1.0 when every judging reward (`judges`, default all) that applies to the row (not skipped) gives
+    full marks, else 0.0.
 
     With `fns: [math, code]` on mixed prompts, math rows are judged by `math` (code skips them: no tests)
-    and code rows by `code`; a row no reward applies to counts as unsolved."""
-    values = [v for v in result["rewards"].values() if v is not None]
+    and code rows by `code`; a row no reward applies to counts as unsolved. Shaping rewards (`judge:
+    false`) are left out."""
+    values = [v for n, v in result["rewards"].items() if v is not None and (judges is None or n in judges)]
     return float(bool(values) and all(v >= 1 - 1e-6 for v in values))
 
 
@@ -140,6 +142,7 @@ class RLTrainer:
         from rewards import as_spec
 
         self.reward_names = [as_spec(s).name for s in self.reward_specs]
+        self.judge_names = [n for n, f in zip(self.reward_names, cfg.reward.fns) if f.judge]
         self.events: list[str] = []
         self.start_step = 0
         self.latest_weights = None  # ObjectRef of the last synced state_dict (restarted workers load it)
@@ -324,7 +327,8 @@ class RLTrainer:
         results = self.score([self._reward_sample(r, o["text"]) for r, o in zip(self.eval_rows, outs)])
         per_task: dict[str, list[float]] = {}
         for row, res in zip(self.eval_rows, results):
-            per_task.setdefault(row.get("task") or self.reward_names[0], []).append(_solved(res))
+            task = row.get("task") or self.reward_names[0]
+            per_task.setdefault(task, []).append(_solved(res, self.judge_names))
         m = {f"eval/{t}/accuracy": sum(v) / len(v) for t, v in per_task.items()}
         solved = [x for v in per_task.values() for x in v]
         m["eval/accuracy"] = sum(solved) / len(solved)
