@@ -21,7 +21,9 @@ def _run(model, prompts, config, seeds) -> dict:
     t0 = time.perf_counter()
     outs = generate(model, prompts, config, seeds=seeds)
     wall = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
+    # Decoded positions, not the text up to the first EOS: with EOS stop off every sequence decodes
+    # max_new_tokens positions, and a trained model on random prompts writes EOS early.
+    tokens = len(outs) * config.max_new_tokens
     forwards = sum(o.num_forwards for o in outs)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "tpf": tokens / max(forwards, 1),
             "forwards_per_seq": forwards / len(outs), "edits_per_seq": sum(o.num_edits for o in outs) / len(outs)}

@@ -101,11 +101,11 @@ class LLaDA2MoeAttention(nn.Module):
             k = torch.cat([k_prev.to(k.dtype), k], dim=1)
             v = torch.cat([v_prev.to(v.dtype), v], dim=1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, len, D)
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         # The one conversion point of the boolean keep-mask: SDPA takes bool with True = attend.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_mask)
+        # enable_gqa lets each group of query heads read its shared K/V head in place instead of
+        # repeating K and V (over the whole cached prefix when decoding) num_heads / num_kv_heads times.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_mask,
+                                             enable_gqa=self.num_kv_heads != self.num_heads)
         return self.dense(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
 
 
