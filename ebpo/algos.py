@@ -54,27 +54,40 @@ def log_ratio(cur: torch.Tensor, old: torch.Tensor, lengths: torch.Tensor | None
     return lr
 
 
-def clipped_surrogate(log_rho: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float):
+def clipped_surrogate(log_rho: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
+                      dual_clip: float | None = None):
     """Per-sequence objective min(rho A, clip(rho, 1-eps_low, 1+eps_high) A), computed in log space.
 
     log_rho, advantages: (B,). If A >= 0: log rho' = min(log rho, log(1+eps_high)), else
-    log rho' = max(log rho, log(1-eps_low)); objective = exp(log rho') A, which never overflows.
-    At a clipped sequence the gradient is 0, as in the textbook form. Returns (objective (B,),
-    clipped_low (B,) bool, clipped_high (B,) bool).
+    log rho' = max(log rho, log(1-eps_low)); objective = exp(log rho') A. At a clipped sequence the
+    gradient is 0, as in the textbook form.
+
+    `dual_clip` = c > 1 (dual-clip PPO, Ye et al. 2020) also bounds the negative-advantage side from
+    above: for A < 0 the objective is max(min(rho A, clip(rho) A), c A), i.e. log rho' <= log c. Without
+    it a sequence whose likelihood rose a lot while A < 0 contributes rho A without bound (sequence-level
+    ELBO ratios reach e^45 after one large step) and exp overflows past log rho = 88.
+    Returns (objective (B,), clipped_low (B,) bool, clipped_high (B,) bool, clipped_dual (B,) bool).
     """
     if not 0.0 <= eps_low < 1.0:
         raise ValueError(f"eps_low: must be in [0, 1), got {eps_low}")
     if eps_high < 0.0:
         raise ValueError(f"eps_high: must be >= 0, got {eps_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip: must be > 1 (or None), got {dual_clip}")
     hi = math.log1p(eps_high)
     lo = math.log1p(-eps_low)
     pos = advantages >= 0
     clipped_high = pos & (log_rho > hi)
     clipped_low = (~pos) & (log_rho < lo)
+    clipped_dual = torch.zeros_like(pos)
     # torch.where (not clamp/min) so the unclipped branch keeps its full gradient at the boundary.
     lr_clipped = torch.where(clipped_high, torch.full_like(log_rho, hi),
                              torch.where(clipped_low, torch.full_like(log_rho, lo), log_rho))
-    return lr_clipped.exp() * advantages, clipped_low, clipped_high
+    if dual_clip is not None:
+        cap = math.log(dual_clip)
+        clipped_dual = (~pos) & (log_rho > cap)
+        lr_clipped = torch.where(clipped_dual, torch.full_like(log_rho, cap), lr_clipped)
+    return lr_clipped.exp() * advantages, clipped_low, clipped_high, clipped_dual
 
 
 def kl_estimate(log_ratio_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -93,16 +106,17 @@ def kl_estimate(log_ratio_ref: torch.Tensor, estimator: str = "k3") -> torch.Ten
 
 def ebpo_loss(cur: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
               lengths: torch.Tensor | None = None, ref: torch.Tensor | None = None, kl_beta: float = 0.0,
-              kl_estimator: str = "k3") -> tuple[torch.Tensor, dict]:
+              kl_estimator: str = "k3", dual_clip: float | None = None) -> tuple[torch.Tensor, dict]:
     """EBPO loss (scalar) and metrics from composites of one minibatch.
 
     cur, old (and ref): (B, N) composites of the same draws; advantages (B,); lengths (B,) response
     lengths for length normalisation or None. loss = -mean_seq(clipped objective) + kl_beta * mean_seq(KL),
     a *sequence-level* mean (the ratio is per sequence). The KL uses the same (optional) length
-    normalisation. Metrics are floats: pg_loss, clipfrac_low/high, log_ratio_mean/max (|.|max), kl.
+    normalisation. `dual_clip`: see `clipped_surrogate`. Metrics are floats: pg_loss,
+    clipfrac_low/high/dual, log_ratio_mean/max (|.|max), kl.
     """
     lr = log_ratio(cur, old.detach(), lengths)
-    obj, c_lo, c_hi = clipped_surrogate(lr, advantages.to(lr.dtype), eps_low, eps_high)
+    obj, c_lo, c_hi, c_dual = clipped_surrogate(lr, advantages.to(lr.dtype), eps_low, eps_high, dual_clip)
     pg_loss = -obj.mean()
     loss = pg_loss
     kl_val = torch.zeros(())
@@ -116,6 +130,7 @@ def ebpo_loss(cur: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, ep
         "pg_loss": float(pg_loss.detach()),
         "clipfrac_low": float(c_lo.float().mean()),
         "clipfrac_high": float(c_hi.float().mean()),
+        "clipfrac_dual": float(c_dual.float().mean()),
         "log_ratio_mean": float(lr.detach().mean()),
         "log_ratio_max": float(lr.detach().abs().max()),
         "kl": float(kl_val),

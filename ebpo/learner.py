@@ -47,6 +47,8 @@ class LearnerConfig:
     t_max: float = doc("largest noise level, <= 1", 1.0)
     eps_low: float = doc("clip: ratio floor 1 - eps_low for negative advantages", 0.2)
     eps_high: float = doc("clip: ratio ceiling 1 + eps_high for positive advantages", 0.28)
+    dual_clip: Optional[float] = doc("dual clip c > 1: for negative advantages the objective is at least c * A, so "
+                                     "a sequence whose likelihood rose a lot cannot blow the loss up (null = off)", 3.0)
     length_normalize: bool = doc("divide each sequence's log-ratio (and KL) by its response length", False)
     kl_beta: float = doc("weight of the KL penalty against the frozen reference (0 = off)", 0.0)
     kl_estimator: Literal["k1", "k2", "k3"] = doc("KL estimator of the penalty/metric", "k3")
@@ -81,6 +83,7 @@ class LearnerConfig:
             ("t_max", self.t_max <= 1, "must be <= 1"),
             ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1)"),
             ("eps_high", self.eps_high >= 0, "must be >= 0"),
+            ("dual_clip", self.dual_clip is None or self.dual_clip > 1, "must be > 1 or null"),
             ("kl_beta", self.kl_beta >= 0, "must be >= 0"),
             ("kl_estimator", self.kl_estimator in KL_ESTIMATORS, f"choose one of {list(KL_ESTIMATORS)}"),
             ("nograd_chunk", self.nograd_chunk >= 0, "must be >= 0 (0 = all draws)"),
@@ -310,7 +313,8 @@ class EBPOLearner:
 
                 def loss_fn(cur):
                     return ebpo_loss(cur, mb_old, mb_adv, cfg.eps_low, cfg.eps_high, lengths=mb_len, ref=mb_ref,
-                                     kl_beta=cfg.kl_beta, kl_estimator=cfg.kl_estimator)
+                                     kl_beta=cfg.kl_beta, kl_estimator=cfg.kl_estimator,
+                                     dual_clip=cfg.dual_clip)
 
                 zero3 = cfg.zero_stage == 3 and self.engine is not None
                 if cfg.grad_replay:

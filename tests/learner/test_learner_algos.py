@@ -50,7 +50,7 @@ def test_log_space_clip_equals_textbook_value_and_gradient():
     el, eh = 0.2, 0.28
     a = lr.clone().requires_grad_(True)
     b = lr.clone().requires_grad_(True)
-    ours, c_lo, c_hi = clipped_surrogate(a, adv, el, eh)
+    ours, c_lo, c_hi, c_dual = clipped_surrogate(a, adv, el, eh)
     ref = textbook(b.exp(), adv, el, eh)
     assert torch.allclose(ours, ref, atol=1e-12)
     ours.sum().backward()
@@ -58,12 +58,39 @@ def test_log_space_clip_equals_textbook_value_and_gradient():
     assert torch.allclose(a.grad, b.grad, atol=1e-12)
     # Clip flags mark exactly the sequences whose textbook gradient vanished.
     assert torch.equal(c_lo | c_hi, b.grad == 0)
-    assert c_lo.any() and c_hi.any() and not (c_lo & c_hi).any()
+    assert c_lo.any() and c_hi.any() and not (c_lo & c_hi).any() and not c_dual.any()
 
 
 def test_clip_never_overflows():
-    obj, _, c_hi = clipped_surrogate(torch.tensor([1e4, -1e4]), torch.tensor([1.0, -1.0]), 0.2, 0.2)
+    obj, _, c_hi, _ = clipped_surrogate(torch.tensor([1e4, -1e4]), torch.tensor([1.0, -1.0]), 0.2, 0.2)
     assert torch.isfinite(obj).all() and bool(c_hi[0])
+    # A < 0 with a huge ratio: unbounded (and overflowing) without the dual clip, c * A with it.
+    lr = torch.tensor([200.0], requires_grad=True)
+    obj, _, _, c_dual = clipped_surrogate(lr, torch.tensor([-2.0]), 0.2, 0.2, dual_clip=3.0)
+    obj.sum().backward()
+    assert obj.item() == pytest.approx(-6.0) and bool(c_dual[0]) and lr.grad.item() == 0.0
+    assert not torch.isfinite(clipped_surrogate(torch.tensor([200.0]), torch.tensor([-2.0]), 0.2, 0.2)[0]).all()
+
+
+def test_dual_clip_equals_textbook_value_and_gradient():
+    """max(min(rho A, clip(rho) A), c A) for A < 0, the plain clip for A >= 0 (Ye et al. 2020)."""
+    g = torch.Generator().manual_seed(5)
+    lr = (torch.randn(600, generator=g) * 1.5).double()
+    adv = torch.randn(600, generator=g).double()
+    el, eh, c = 0.2, 0.28, 3.0
+    a = lr.clone().requires_grad_(True)
+    b = lr.clone().requires_grad_(True)
+    ours, c_lo, c_hi, c_dual = clipped_surrogate(a, adv, el, eh, dual_clip=c)
+    plain = textbook(b.exp(), adv, el, eh)
+    ref = torch.where(adv < 0, torch.maximum(plain, c * adv), plain)
+    assert torch.allclose(ours, ref, atol=1e-12)
+    ours.sum().backward()
+    ref.sum().backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-12)
+    assert torch.equal(c_lo | c_hi | c_dual, b.grad == 0)
+    assert c_dual.any() and not (c_dual & (c_lo | c_hi)).any()
+    with pytest.raises(ValueError, match="dual_clip"):
+        clipped_surrogate(a, adv, el, eh, dual_clip=1.0)
 
 
 def test_ratio_exactly_one_when_current_equals_old():

@@ -52,8 +52,8 @@ def test_toy_reward_raises_likelihood_of_rewarded_responses(small_model):
     delta = after - before
     assert (delta[rewards == 1] > 0).all(), delta
     assert (delta[rewards == 0] < 0).all(), delta
-    for key in ("actor/pg_loss", "actor/clipfrac_low", "actor/clipfrac_high", "actor/log_ratio_mean",
-                "actor/log_ratio_max", "actor/kl", "actor/grad_norm", "actor/lr", "timing_s/old_logprob",
+    for key in ("actor/pg_loss", "actor/clipfrac_low", "actor/clipfrac_high", "actor/clipfrac_dual",
+                "actor/log_ratio_mean", "actor/log_ratio_max", "actor/kl", "actor/grad_norm", "actor/lr", "timing_s/old_logprob",
                 "timing_s/update", "likelihood/block_per_token_mean"):
         assert key in m
 
@@ -66,7 +66,7 @@ def test_first_step_ratio_is_exactly_one(small_model, packed, cached, replay):
     learner = EBPOLearner(copy.deepcopy(small_model), cfg)
     m = learner.update(batch)  # one minibatch, one epoch: current == old at the only step
     assert m["actor/log_ratio_mean"] == 0.0 and m["actor/log_ratio_max"] == 0.0
-    assert m["actor/clipfrac_low"] == 0.0 and m["actor/clipfrac_high"] == 0.0
+    assert m["actor/clipfrac_low"] == 0.0 and m["actor/clipfrac_high"] == 0.0 and m["actor/clipfrac_dual"] == 0.0
     assert m["actor/grad_norm"] > 0
 
 
