@@ -283,12 +283,16 @@ class EBPOLearner:
         # Old values use the same chunking so that at the first step current == old bit for bit.
         chunk = cfg.nograd_chunk if cfg.grad_replay else 0
         self._cached = cfg.nograd_cached and cfg.grad_replay
+        # On-policy shortcut: with one epoch over one minibatch and no reference, the old composites
+        # are the current ones of the same draws (same chunking: bit for bit), so the update's own
+        # forward supplies them instead of a separate no-grad pass (ratio 1, identical gradient).
+        on_policy = cfg.mu == 1 and len(mbs) == 1 and cfg.kl_beta == 0
         t0 = time.perf_counter()
         old = torch.zeros(B, cfg.n_draws, device=dev)
         blocks = None
         ref = torch.zeros(B, cfg.n_draws, device=dev) if cfg.kl_beta > 0 else None
         with torch.no_grad():
-            for mb in mbs:
+            for mb in ([] if on_policy else mbs):
                 mb_noise = noise.rows(mb)
                 c, blk = self._composites(self.fwd, ids[mb], mb_noise, chunk, blocks=True)
                 old[mb.to(dev)] = c
@@ -312,20 +316,24 @@ class EBPOLearner:
                 mb_ref = ref[mb] if ref is not None else None
 
                 def loss_fn(cur):
-                    return ebpo_loss(cur, mb_old, mb_adv, cfg.eps_low, cfg.eps_high, lengths=mb_len, ref=mb_ref,
+                    return ebpo_loss(cur, cur.detach() if on_policy else mb_old, mb_adv, cfg.eps_low, cfg.eps_high,
+                                     lengths=mb_len, ref=mb_ref,
                                      kl_beta=cfg.kl_beta, kl_estimator=cfg.kl_estimator,
                                      dual_clip=cfg.dual_clip)
 
                 zero3 = cfg.zero_stage == 3 and self.engine is not None
                 if cfg.grad_replay:
-                    _, m, _ = replay_backward(self.fwd, ids[mb], noise.rows(mbs[j]), self.mask_id, loss_fn,
-                                              backward=self._step_backward, packed=cfg.packed,
-                                              nograd_chunk=cfg.nograd_chunk, replay_chunk=cfg.replay_chunk,
-                                              use_module_head=zero3, cached=self._cached)
+                    _, m, cur = replay_backward(self.fwd, ids[mb], noise.rows(mbs[j]), self.mask_id, loss_fn,
+                                                backward=self._step_backward, packed=cfg.packed,
+                                                nograd_chunk=cfg.nograd_chunk, replay_chunk=cfg.replay_chunk,
+                                                use_module_head=zero3, cached=self._cached,
+                                                return_blocks=on_policy)
                 else:
-                    _, m, _ = direct_backward(self.fwd, ids[mb], noise.rows(mbs[j]), self.mask_id, loss_fn,
-                                              backward=self._step_backward, packed=cfg.packed,
-                                              use_module_head=zero3)
+                    _, m, cur = direct_backward(self.fwd, ids[mb], noise.rows(mbs[j]), self.mask_id, loss_fn,
+                                                backward=self._step_backward, packed=cfg.packed,
+                                                use_module_head=zero3, return_blocks=on_policy)
+                if on_policy:  # the behaviour policy's values, for the likelihood stats
+                    old[mb], blocks = cur[0].to(dev), cur[1].to(dev)
                 m["grad_norm"] = self._optimizer_step()
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v

@@ -309,7 +309,7 @@ def replay_backward(model, input_ids: torch.Tensor, noise: NoiseDraws, mask_toke
                     loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
                     backward: Callable[[torch.Tensor], None] | None = None, packed: bool = False,
                     nograd_chunk: int = 0, replay_chunk: int = 1, use_module_head: bool = False,
-                    cached: bool = False):
+                    cached: bool = False, return_blocks: bool = False):
     """Exact gradient of `loss_fn(C)` with the activations of only `replay_chunk` draws alive at a time.
 
     1. C (B, N) = composites of all draws without grad (`nograd_chunk` draws per forward; `cached`
@@ -318,12 +318,14 @@ def replay_backward(model, input_ids: torch.Tensor, noise: NoiseDraws, mask_toke
     3. for each chunk of draws S: recompute C_S with grad and backpropagate (C_S * g[:, S]).sum().
     By the chain rule the accumulated parameter gradient equals that of loss_fn(C) backpropagated
     directly. `backward(t)` defaults to `t.backward()` (DeepSpeed passes `engine.backward`).
-    Returns (loss detached, metrics, C (B, N) detached).
+    Returns (loss detached, metrics, C (B, N) detached); with `return_blocks` the last item is
+    (C, per-block composites (B, N, nb)) from the no-grad pass.
     """
     backward = backward or (lambda t: t.backward())
     with torch.no_grad():
         comp = all_composites(model, input_ids, noise, mask_token_id, packed=packed, chunk=nograd_chunk,
-                              use_module_head=use_module_head, cached=cached)
+                              use_module_head=use_module_head, cached=cached, return_blocks=return_blocks)
+    comp, blocks = comp if return_blocks else (comp, None)
     leaf = comp.detach().requires_grad_(True)
     with torch.enable_grad():
         loss, metrics = loss_fn(leaf)
@@ -335,17 +337,24 @@ def replay_backward(model, input_ids: torch.Tensor, noise: NoiseDraws, mask_toke
         c = composite_logprobs(model, input_ids, noise, draws, mask_token_id, packed=packed,
                                use_module_head=use_module_head)
         backward((c * grad[:, lo: lo + len(draws)]).sum())
-    return loss.detach(), metrics, comp
+    return loss.detach(), metrics, ((comp, blocks) if return_blocks else comp)
 
 
 def direct_backward(model, input_ids: torch.Tensor, noise: NoiseDraws, mask_token_id: int,
                     loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
                     backward: Callable[[torch.Tensor], None] | None = None, packed: bool = False,
-                    use_module_head: bool = False):
-    """Reference path: all N draws in one forward with grad, one backward (memory grows with N)."""
+                    use_module_head: bool = False, return_blocks: bool = False):
+    """Reference path: all N draws in one forward with grad, one backward (memory grows with N).
+
+    Returns (loss detached, metrics, C (B, N) detached); with `return_blocks` the last item is
+    (C, per-block composites (B, N, nb)), both detached.
+    """
     backward = backward or (lambda t: t.backward())
     comp = all_composites(model, input_ids, noise, mask_token_id, packed=packed, chunk=0,
-                          use_module_head=use_module_head)
+                          use_module_head=use_module_head, return_blocks=return_blocks)
+    comp, blocks = comp if return_blocks else (comp, None)
     loss, metrics = loss_fn(comp)
     backward(loss)
+    if return_blocks:
+        return loss.detach(), metrics, (comp.detach(), blocks.detach())
     return loss.detach(), metrics, comp.detach()
