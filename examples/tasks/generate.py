@@ -175,13 +175,19 @@ def code_row(rng: random.Random, level: str = "worked") -> dict:
 
 
 def split_rows(make, rng: random.Random, n_train: int, n_eval: int) -> tuple[list[dict], list[dict]]:
-    """Draw unique prompts; the first n_eval form the held-out split, the rest the training split."""
+    """Draw unique prompts, shuffle them, and cut the first n_eval off as the held-out split.
+
+    The shuffle matters: prompts from a small pool (e.g. `take x, negate it`, a few dozen distinct
+    strings) are all drawn early, so taking the first draws as held-out put every one of them there
+    and none in training.
+    """
     seen, rows = set(), []
     while len(rows) < n_train + n_eval:
         row = make(rng)
         if row["prompt"] not in seen:
             seen.add(row["prompt"])
             rows.append(row)
+    rng.shuffle(rows)
     return rows[n_eval:], rows[:n_eval]
 
 
