@@ -85,3 +85,15 @@ def filter_groups(keep_group: torch.Tensor, group_ids: torch.Tensor) -> torch.Te
     uniq = torch.unique(group_ids)
     keep_ids = uniq[keep_group]
     return torch.isin(group_ids, keep_ids)
+
+
+def first_groups(keep_group: torch.Tensor, k: int) -> torch.Tensor:
+    """(num_groups,) bool: `keep_group` with only its first `k` True entries left True (k >= 0).
+
+    Dynamic sampling draws extra prompts until enough groups carry a learning signal; the learner then
+    takes the first `k` of them, in draw order, so the batch size stays fixed.
+    """
+    if k < 0:
+        raise ValueError(f"first_groups: k must be >= 0, got {k}")
+    rank = torch.cumsum(keep_group.long(), 0)
+    return keep_group & (rank <= k)

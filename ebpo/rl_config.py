@@ -6,6 +6,7 @@ print('\\n'.join(describe(RLConfig)))"` for every key with its documentation.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -84,6 +85,9 @@ class TrainerConfig:
     save_every: int = doc("checkpoint every k steps (0 = only at the end)", 0)
     keep_last: int = doc("checkpoints kept", 2)
     filter_zero_std: bool = doc("drop groups whose rewards are all equal (no learning signal)", False)
+    dynamic_sampling: int = doc("extra rounds of `rollout.prompts_per_step` prompts a step may draw until that many "
+                                "groups have unequal rewards (DAPO dynamic sampling; the learner takes the first "
+                                "`prompts_per_step` of them); 0 = off; needs filter_zero_std", 0)
     advantage: Literal["grpo", "rloo"] = doc("advantage estimator, computed per prompt group", "grpo")
     advantage_std: bool = doc("GRPO: divide by the group's reward std (Dr. GRPO style when false)", True)
     stop_after: Optional[int] = doc("stop after this step although `steps` is larger (staged runs; the LR "
@@ -100,6 +104,11 @@ class TrainerConfig:
     def validate(self):
         if self.steps < 0:
             raise ValueError("trainer.steps: must be >= 0")
+        if self.dynamic_sampling < 0:
+            raise ValueError(f"trainer.dynamic_sampling: must be >= 0 (extra rounds; 0 = off), got {self.dynamic_sampling}")
+        if self.dynamic_sampling > 0 and not self.filter_zero_std:
+            raise ValueError("trainer.dynamic_sampling: needs trainer.filter_zero_std=true (it collects groups "
+                             "with unequal rewards, which only matters when the others are dropped)")
 
 
 @dataclass
@@ -110,6 +119,24 @@ class RayConfig:
     learner_gpus: float = doc("GPUs for the learner actor", 0.0)
     reward_cpus: float = doc("CPUs per reward actor (its worker processes are not counted by Ray)", 0.0)
     colocate: bool = doc("pack rollout and learner actors into one placement group (same node)", False)
+    weight_sync: Literal["object_store", "broadcast"] = doc(
+        "how weights reach the rollout workers after each update: object_store (the learner's state_dict "
+        "goes once into the Ray object store) or broadcast (bucketed torch.distributed broadcast from the "
+        "learner: NCCL when learner and rollout actors each hold >= 1 GPU, else gloo over TCP; falls back "
+        "to the object store for a sync after a rollout worker restart or a failure)", "object_store")
+    bucket_mb: float = doc("broadcast: bucket size in MiB; tensors are packed in order into flat buffers of "
+                           "one dtype, a larger tensor gets a bucket of its own", 256.0)
+    sync_timeout_s: float = doc("broadcast: seconds allowed for forming the group and for each wait inside a "
+                                "sync (the plan, each bucket); past it the sync falls back to the object store",
+                                300.0)
+
+    def validate(self):
+        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ValueError(f"ray.bucket_mb: must be a positive number of MiB, got {self.bucket_mb!r}")
+        if self.bucket_mb * 2**20 < 1:
+            raise ValueError(f"ray.bucket_mb: {self.bucket_mb!r} MiB is less than one byte")
+        if not (math.isfinite(self.sync_timeout_s) and self.sync_timeout_s > 0):
+            raise ValueError(f"ray.sync_timeout_s: must be a positive number of seconds, got {self.sync_timeout_s!r}")
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """`RolloutWorker`: a Ray-actor-ready holder of one policy copy that runs the draft-and-edit decoder.
 
 The trainer wraps it with `ray.remote(...)`; it is a plain class so tests and single-process tools can
-use it directly. Weights arrive from the learner as a CPU state_dict (through the object store on CPU
-clusters) and are loaded in place; with `fp8=True` the linear layers and experts run the per-block FP8
-kernels and every sync re-quantises them.
+use it directly. Weights arrive from the learner as a state_dict, through the object store
+(`load_weights`) or a bucketed broadcast (`join_sync_group` + `receive_weights`), and are loaded in
+place; with `fp8=True` the linear layers and experts run the per-block FP8 kernels and every sync
+re-quantises them.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class RolloutWorker:
         self.tokenizer = load_model_tokenizer(model)
         self.fp8 = fp8
         self.version = 0
+        self.sync_group = None  # ebpo.weight_sync.WeightBroadcastGroup with ray.weight_sync=broadcast
         if weights is not None:
             self.load_weights(weights, weights_version)
         if fp8:
@@ -70,6 +72,35 @@ class RolloutWorker:
             self.model.load_state_dict(state_dict, strict=True)
         self.version = version
         return time.perf_counter() - start
+
+    def join_sync_group(self, addr: str, port: int, rank: int, world_size: int, timeout_s: float,
+                        device: str = "cpu") -> None:
+        """Join the learner's broadcast group as `rank` (>= 1); blocks until every member joined."""
+        from ebpo.weight_sync import WeightBroadcastGroup
+
+        self.close_sync_group()
+        self.sync_group = WeightBroadcastGroup(addr, port, rank, world_size, timeout_s=timeout_s, device=device)
+
+    def receive_weights(self, version: int) -> float:
+        """Receive the learner's broadcast of `version` and load it (FP8 layers re-quantised); returns
+        seconds taken, receiving included."""
+        if self.sync_group is None:
+            raise RuntimeError("receive_weights: this rollout worker is in no weight-sync group")
+        start = time.perf_counter()
+        self.load_weights(self.sync_group.receive(version), version)
+        return time.perf_counter() - start
+
+    def close_sync_group(self) -> None:
+        if self.sync_group is not None:
+            self.sync_group.close()
+            self.sync_group = None
+
+    def weights_digest(self) -> dict:
+        """SHA-256 and counts of the policy's state_dict; equals the learner's `weights_digest()` after a sync
+        when `fp8` is off (FP8 layers hold re-quantised weights, not the learner's)."""
+        from ebpo.weight_sync import state_dict_digest
+
+        return state_dict_digest(self.model.state_dict())
 
     def ping(self) -> int:
         """Liveness check; returns the weights version held."""

@@ -29,3 +29,20 @@ def test_rollout_metrics_clip_ratio_and_tpf():
     m = rollout_metrics(samples, max_new_tokens=4, seconds=2.0)
     assert m["response_length/clip_ratio"] == 0.5 and m["decode/tpf"] == 7 / 4
     assert m["perf/rollout_tokens_per_s"] == 3.5 and m["decode/edits_per_seq"] == 0.5
+
+
+def test_first_groups_keeps_the_first_k_true_entries_like_a_loop():
+    import torch
+
+    from ebpo.rl_batch import first_groups
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(0, 12, (1,), generator=g))
+        keep = torch.rand(n, generator=g) < 0.5
+        k = int(torch.randint(0, 8, (1,), generator=g))
+        expected, seen = [], 0
+        for v in keep.tolist():
+            expected.append(bool(v) and seen < k)
+            seen += bool(v)
+        assert first_groups(keep, k).tolist() == expected

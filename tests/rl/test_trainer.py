@@ -136,3 +136,31 @@ def test_custom_reward_file_is_called(ray_local, tmp_path, data):
     groups = [g for g in ray.util.placement_group_table().values() if g["name"] == "colocated-policy"]
     assert len(groups) == 1 and groups[0]["strategy"] == "STRICT_PACK" and groups[0]["state"] == "REMOVED"
 
+
+
+def test_dynamic_sampling_draws_until_enough_groups_carry_signal(ray_local, tmp_path, data):
+    """P=2 prompts a step, up to 3 extra rounds. Only `What is 2+b?` prompts (4 of 12) can score unequally
+    inside a group (the parity of the completion's characters), so the trainer must keep drawing."""
+    reward_file = tmp_path / "parity.py"
+    reward_file.write_text(
+        "def score(*, prompt, completion, **_):\n"
+        "    return float(sum(map(ord, completion)) % 2) if prompt.startswith('What is 2+') else 0.0\n")
+    common = ["trainer.tracking=none", "trainer.plots=false", "data.eval=null", "trainer.filter_zero_std=true",
+              "trainer.dynamic_sampling=3"]
+    P, G, rounds = 2, 3, 4
+    _, history = train(make_cfg(tmp_path, data, tmp_path / "ds", "trainer.steps=3", *common,
+                                f"reward.fns=[{{fn: '{reward_file}:score'}}]"))
+    for h in history:
+        drawn = int(h["train/prompts_drawn"])
+        informative = round((1 - h["frac_zero_std_groups"]) * drawn)
+        assert drawn % P == 0 and P <= drawn <= rounds * P
+        assert informative >= P or drawn == rounds * P  # stopped as soon as P groups had signal, or gave up
+        assert h["train/samples"] == G * min(P, informative)  # the learner takes at most P groups
+    # math on a random-init model: every group scores all-zero, so every round is drawn and nothing trains
+    _, history = train(make_cfg(tmp_path, data, tmp_path / "ds0", "trainer.steps=1", *common))
+    assert history[0]["train/prompts_drawn"] == rounds * P and history[0]["train/samples"] == 0
+
+
+def test_dynamic_sampling_needs_the_zero_std_filter(tmp_path, data):
+    with pytest.raises(ValueError, match="trainer.dynamic_sampling"):
+        make_cfg(tmp_path, data, tmp_path / "x", "trainer.dynamic_sampling=2", "trainer.filter_zero_std=false")
