@@ -248,7 +248,8 @@ class WeightBroadcastGroup:
 
     def receive(self, version: int) -> dict[str, torch.Tensor]:
         """Ranks 1..: wait for the plan of `version`, receive every bucket; returns name -> tensor on this
-        member's device (views into the received buckets)."""
+        member's device (views into the received buckets). All buckets are alive at once here: the
+        receiver holds one extra copy of the weights until the caller has loaded them."""
         if self.rank == 0:
             raise RuntimeError("rank 0 (the learner) sends, it does not receive")
         out: dict[str, torch.Tensor] = {}
