@@ -11,19 +11,28 @@ from .tokenizer import load_tokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TINY_SFT_DIR = ASSETS / "tiny-sft"  # the tiny model trained by recipes/sft_tiny.yaml, shipped with the package
+# checkpoints shipped with the package, by the name a recipe or the CLI gives them
+SHIPPED_MODELS = {
+    "tiny-sft": TINY_SFT_DIR,
+    # tiny-sft fine-tuned on answers half of which skip the working (recipes/sft_tiny_mixed.yaml): the
+    # RL quickstart's starting point
+    "tiny-sft-mixed": ASSETS / "tiny-sft-mixed",
+}
 
 
 def resolve_model_path(spec: str) -> str:
-    """`tiny-sft` -> the shipped checkpoint folder; a folder or `preset:...` spec is returned unchanged."""
-    if spec == "tiny-sft":
-        if not (TINY_SFT_DIR / "config.json").exists():
-            raise FileNotFoundError(f"the shipped tiny checkpoint is missing at {TINY_SFT_DIR}")
-        return str(TINY_SFT_DIR)
+    """A shipped name (`tiny-sft`, `tiny-sft-mixed`) -> its checkpoint folder; a folder or `preset:...` spec
+    is returned unchanged."""
+    if spec in SHIPPED_MODELS:
+        folder = SHIPPED_MODELS[spec]
+        if not (folder / "config.json").exists():
+            raise FileNotFoundError(f"the shipped checkpoint {spec!r} is missing at {folder}")
+        return str(folder)
     return spec
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LLaDA2MoeModelLM:
-    """Load a model from a folder (`save_pretrained` layout), `tiny-sft`, or `preset:NAME[@seed]` (random init).
+    """Load a model from a folder (`save_pretrained` layout), a shipped name (`tiny-sft`, `tiny-sft-mixed`), or `preset:NAME[@seed]` (random init).
 
     A preset is initialised from an explicit generator-free seed scope (`torch.random.fork_rng`) so that
     naming the same spec twice gives the same weights without touching the caller's global RNG state.
@@ -36,7 +45,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
             model = LLaDA2MoeModelLM(load_preset(name))
         return model.to(device=device, dtype=dtype)
     if not Path(spec).is_dir():
-        raise FileNotFoundError(f"model {spec!r} is neither a folder, 'tiny-sft', nor 'preset:NAME[@seed]'")
+        raise FileNotFoundError(f"model {spec!r} is neither a folder, a shipped name "
+                                f"({', '.join(sorted(SHIPPED_MODELS))}), nor 'preset:NAME[@seed]'")
     return LLaDA2MoeModelLM.from_pretrained(spec, dtype=dtype).to(device)
 
 

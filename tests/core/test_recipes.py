@@ -6,6 +6,7 @@ import yaml
 
 from ebpo.config import build, load_config
 from ebpo.learner import LearnerConfig
+from ebpo.model.loading import resolve_model_path
 from ebpo.rl_config import RLConfig
 from ebpo.sft_config import SFTConfig
 
@@ -24,7 +25,9 @@ def test_recipe_is_valid(path, monkeypatch):
     else:
         cfg = load_config(SFTConfig, path)
         local = [cfg.data.train, cfg.data.eval]
-    if "tiny" in path.name or "quickstart" in path.name:  # runs here: its data and reward files ship with us
+    if "tiny" in path.name or "quickstart" in path.name:  # runs here: its model, data and reward files ship with us
+        if not cfg.model.startswith("preset:"):
+            assert (Path(resolve_model_path(cfg.model)) / "config.json").exists(), f"{path.name}: model {cfg.model}"
         for src in local:
             for s in ([src] if isinstance(src, str) else src or []):
                 assert (ROOT / s).exists(), f"{path.name}: {s} does not exist"

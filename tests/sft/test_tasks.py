@@ -103,11 +103,40 @@ def test_fact_rows_cover_every_step_of_the_working_and_stay_out_of_eval(tmp_path
 
 
 def test_shipped_model_knows_its_one_digit_facts():
-    """The shipped tiny-sft, teacher-forced on held-out working: the digit after each `=` (products
-    included) is right for nearly all of them (it was 62% for the 2,000-step model it replaced)."""
+    """The shipped tiny-sft, teacher-forced on held-out working: the first digit after each `=` (products
+    included) is right for nearly all of them (it was 62% for the 2,000-step model it replaced). Later
+    digits are probed too; they are the ones digits of two-digit results, where its misses are."""
     from examples.tasks.probe_facts import probe_facts
     from ebpo.model.loading import load_model, load_model_tokenizer
 
     held = rows(ROOT / "examples/data/math_eval.jsonl")[:30]
-    acc, mean_p, n = probe_facts(load_model("tiny-sft").eval(), load_model_tokenizer("tiny-sft"), held)
-    assert n >= 50 and acc >= 0.9 and 0.8 <= mean_p <= 1.0, (acc, mean_p, n)
+    found = probe_facts(load_model("tiny-sft").eval(), load_model_tokenizer("tiny-sft"), held)
+    acc, mean_p, n = found["first"]
+    assert n >= 50 and acc >= 0.9 and 0.8 <= mean_p <= 1.0, found
+    # every column result of two or more digits has its later digits probed
+    expected_later = sum(len(res) - 1 for r in held for res in __import__("re").findall(r"=(\d+)", r["response"]))
+    assert found["later"][2] == expected_later > 0, found
+
+
+def test_mixed_style_rows_keep_prompts_and_answers(tmp_path):
+    """math_train_mixed.jsonl: the math training rows in the same order, each response either unchanged
+    or exactly the bare boxed answer, about `bare_fraction` of them bare, reproducible from the seed."""
+    import pytest
+
+    from examples.tasks.generate import mixed_style_rows
+
+    generate(tmp_path / "a", seed=5, n_train=1000, n_eval=20, n_cpt=10, bare_fraction=0.3)
+    generate(tmp_path / "b", seed=5, n_train=1000, n_eval=20, n_cpt=10, bare_fraction=0.3)
+    a = (tmp_path / "a" / "math_train_mixed.jsonl").read_bytes()
+    assert a == (tmp_path / "b" / "math_train_mixed.jsonl").read_bytes()
+    worked, mixed = rows(tmp_path / "a" / "math_train.jsonl"), rows(tmp_path / "a" / "math_train_mixed.jsonl")
+    assert len(worked) == len(mixed) == 1000
+    bare = 0
+    for w, m in zip(worked, mixed):
+        assert {k: v for k, v in w.items() if k != "response"} == {k: v for k, v in m.items() if k != "response"}
+        if m["response"] != w["response"]:
+            assert m["response"] == "\\boxed{" + w["answer"] + "}"
+            bare += 1
+    assert 240 <= bare <= 360  # Binomial(1000, 0.3): mean 300, sd 14.5
+    with pytest.raises(ValueError, match="bare_fraction"):
+        mixed_style_rows(worked, 1.5, __import__("random").Random(0))
