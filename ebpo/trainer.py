@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 
 from .config import build, load_config, save_config, to_dict
+from .learner_actor import LearnerActor
 from .rl_batch import (build_learner_batch, filter_groups, first_groups, reward_metrics, rollout_metrics,
                        zero_std_groups)
 from .rl_config import RLConfig
+from .sync_driver import WeightSyncDriver
 
 log = logging.getLogger("ebpo")
 
@@ -39,13 +41,6 @@ def derive_seed(*parts: int) -> int:
     for p in parts:
         h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
     return h
-
-
-def _brief(err: BaseException) -> str:
-    """`Type: first line` of an error, unwrapping a Ray task error to the exception raised in the actor."""
-    cause = getattr(err, "cause", None) or err
-    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    return f"{type(cause).__name__}: {lines[0][:300] if lines else ''}"
 
 
 def _solved(result: dict, judges: list[str] | None = None) -> float:
@@ -93,65 +88,6 @@ class PromptSampler:
         self._order = self._make_order()
 
 
-class LearnerActor:
-    """Builds the learner inside its own process (so the driver never holds a model) and forwards calls."""
-
-    def __init__(self, model_spec: str, learner_fields: dict, num_threads: int = 0):
-        torch.set_num_threads(num_threads or os.cpu_count() or 1)
-        from .learner import EBPOLearner, LearnerConfig
-        from .model.loading import load_model
-
-        self.learner = EBPOLearner(load_model(model_spec), build(LearnerConfig, learner_fields, "learner."))
-        self.sync_group = None  # WeightBroadcastGroup (rank 0) with ray.weight_sync=broadcast
-
-    def update(self, batch: dict) -> dict:
-        return self.learner.update(batch)
-
-    def state_dict_for_sync(self) -> dict:
-        return self.learner.state_dict_for_sync()
-
-    def weights_digest(self) -> dict:
-        """SHA-256 and counts of `state_dict_for_sync()` (see `ebpo.weight_sync.state_dict_digest`)."""
-        from .weight_sync import state_dict_digest
-
-        return state_dict_digest(self.learner.state_dict_for_sync())
-
-    # Broadcast weight sync (ray.weight_sync=broadcast): the learner is rank 0 and hosts the group's store.
-    def sync_endpoint(self) -> tuple[str, int]:
-        """(node IP, free port) on which `join_sync_group` will host the group's TCPStore."""
-        from .weight_sync import learner_endpoint
-
-        return learner_endpoint()
-
-    def join_sync_group(self, addr: str, port: int, world_size: int, timeout_s: float, device: str = "cpu") -> None:
-        """Form the group as rank 0; blocks until all `world_size` members join (up to `timeout_s`)."""
-        from .weight_sync import WeightBroadcastGroup
-
-        self.close_sync_group()
-        self.sync_group = WeightBroadcastGroup(addr, port, 0, world_size, timeout_s=timeout_s, device=device)
-
-    def broadcast_weights(self, version: int, bucket_bytes: int) -> dict:
-        """Send `state_dict_for_sync()` as `version`; returns {"bytes", "buckets", "seconds"} of the send."""
-        if self.sync_group is None:
-            raise RuntimeError("broadcast_weights: the learner is in no weight-sync group")
-        stats = self.sync_group.send(self.learner.state_dict_for_sync(), version, bucket_bytes)
-        return stats._asdict()
-
-    def close_sync_group(self) -> None:
-        if self.sync_group is not None:
-            self.sync_group.close()
-            self.sync_group = None
-
-    def save(self, path: str) -> None:
-        self.learner.save(path)
-
-    def load(self, path: str) -> None:
-        self.learner.load(path)
-
-    def export(self, path: str) -> None:
-        self.learner.get_model().save_pretrained(path)
-
-
 class RLTrainer:
     def __init__(self, cfg: RLConfig, recipe_name: str = "rl"):
         import ray
@@ -186,12 +122,7 @@ class RLTrainer:
         self.judge_names = [n for n, f in zip(self.reward_names, cfg.reward.fns) if f.judge]
         self.events: list[str] = []
         self.start_step = 0
-        self.latest_weights = None  # ObjectRef of the last synced state_dict (restarted workers load it)
-        self.version = 0
-        # ray.weight_sync=broadcast: each rollout worker's `restarts` when the group was formed (None: no
-        # group), and broadcast failures in a row (past MAX_BROADCAST_FAILURES the run keeps the object store).
-        self._group_restarts: list[int] | None = None
-        self._broadcast_failures = 0
+        self.weights = WeightSyncDriver(self.ray, cfg.ray, self._event)  # learner -> rollout workers
         self.eos_id = self.tokenizer.eos_token_id
 
         # A user's reward is checked once, in-process, on a real row, before any actor starts.
@@ -228,7 +159,7 @@ class RLTrainer:
             return rollout_cls.options(**placement(i)).remote(
                 self.model_spec, decode, num_threads=threads, fp8=cfg.rollout.fp8,
                 device="cuda" if cfg.ray.rollout_gpus > 0 else "cpu",
-                weights=self._restart_weights(), weights_version=self.version)
+                weights=self.weights.restart_weights(), weights_version=self.weights.version)
 
         def reward_factory():
             return reward_cls.remote(self.reward_specs, num_workers=cfg.reward.num_workers,
@@ -241,20 +172,7 @@ class RLTrainer:
                                for i in range(cfg.reward.num_actors)]
         self.learner = learner_cls.options(**placement(cfg.rollout.num_workers)).remote(
             self.model_spec, asdict(self.learner_cfg), cfg.rollout.num_threads)
-        if cfg.ray.weight_sync == "broadcast":
-            self._form_sync_group()
-
-    def _restart_weights(self):
-        """Weights for a (re)started rollout worker: None (the base model) before the first sync, else the
-        last synced policy (an ObjectRef, resolved by Ray when the actor is created)."""
-        if self.cfg.ray.weight_sync == "object_store" or self.version == 0:
-            return self.latest_weights
-        # Broadcast mode keeps no copy in the object store, so ask the learner. Its weights equal the last
-        # synced ones here: sync_weights runs right after every learner.update (step), and a worker is only
-        # (re)started outside that pair -- during rollout, reward or evaluation, or inside the sync itself,
-        # whose version is the learner's current weights. The learner runs calls in order, so this read
-        # comes after any update already submitted.
-        return self.learner.state_dict_for_sync.remote()
+        self.weights.attach(self.learner, self.rollout_workers)
 
     def _placement(self):
         """index -> actor options. With `ray.colocate`, one STRICT_PACK placement group holds a bundle per
@@ -313,100 +231,8 @@ class RLTrainer:
         return [r for w, t in zip(self.reward_workers, tickets) for r in w.result(t)]
 
     def sync_weights(self) -> dict[str, float]:
-        """Bring every rollout worker to the learner's weights as version + 1; returns sync/* metrics
-        (broadcast mode only: bytes and buckets broadcast, both 0 when that sync fell back)."""
-        self.version += 1
-        if self.cfg.ray.weight_sync == "object_store":
-            self._sync_by_object_store()
-            return {}
-        if self._broadcast_failures >= self.MAX_BROADCAST_FAILURES:
-            self._sync_by_object_store()
-            self.latest_weights = None  # restarted workers ask the learner (see _restart_weights)
-            return {"sync/bytes": 0.0, "sync/buckets": 0.0}
-        return self._sync_by_broadcast()
-
-    def _sync_by_object_store(self) -> None:
-        self.latest_weights = self.learner.state_dict_for_sync.remote()
-        tickets = [w.submit("load_weights", self.latest_weights, self.version) for w in self.rollout_workers]
-        for w, t in zip(self.rollout_workers, tickets):
-            w.result(t)
-
-    # ----------------------------------------------------------------------------------------- broadcast sync
-    MAX_BROADCAST_FAILURES = 3  # broadcast failures in a row before the run stays on the object store
-
-    def _sync_by_broadcast(self) -> dict[str, float]:
-        """One bucketed broadcast, learner -> all rollout workers. A worker restarted since the group was
-        formed is not a member, and a failed broadcast leaves members in unknown states: both fall back to
-        the object store for this sync and re-form the group on a new port."""
-        if self._group_restarts is None:
-            return self._fall_back("no weight-sync group")
-        if self._group_restarts != [w.restarts for w in self.rollout_workers]:
-            return self._fall_back("a rollout worker was restarted since the weight-sync group was formed")
-        send = self.learner.broadcast_weights.remote(self.version, max(1, int(self.cfg.ray.bucket_mb * 2**20)))
-        receives = [w.handle.receive_weights.remote(self.version) for w in self.rollout_workers]
-        try:
-            stats = self._get_all([send, *receives])[0]
-        except Exception as err:  # noqa: BLE001 (actor death, gloo/NCCL error or timeout: all handled alike)
-            self._broadcast_failures += 1
-            return self._fall_back(f"broadcast failed ({_brief(err)})")
-        self._broadcast_failures = 0
-        return {"sync/bytes": float(stats["bytes"]), "sync/buckets": float(stats["buckets"])}
-
-    def _get_all(self, refs: list) -> list:
-        """Wait until every call has finished (so no member is still inside a collective), then return their
-        results or raise the first error. Each wait inside the group is bounded by ray.sync_timeout_s."""
-        self.ray.wait(refs, num_returns=len(refs))
-        results, errors = [], []
-        for ref in refs:
-            try:
-                results.append(self.ray.get(ref))
-            except Exception as err:  # noqa: BLE001
-                errors.append(err)
-        if errors:
-            raise errors[0]
-        return results
-
-    def _fall_back(self, reason: str) -> dict[str, float]:
-        self._event(f"weight sync v{self.version}: {reason}; using the object store for this sync and "
-                    "re-forming the broadcast group")
-        self._sync_by_object_store()  # restarts any dead rollout worker (ResilientActor) with these weights
-        self.latest_weights = None  # restarted workers ask the learner (see _restart_weights)
-        self._form_sync_group()
-        return {"sync/bytes": 0.0, "sync/buckets": 0.0}
-
-    def _close_sync_group(self) -> None:
-        """Close the group on every member; a restarted worker has none, a dead one cannot answer."""
-        refs = [self.learner.close_sync_group.remote()] + [w.handle.close_sync_group.remote()
-                                                            for w in self.rollout_workers]
-        self.ray.wait(refs, num_returns=len(refs), timeout=60)
-        self._group_restarts = None
-
-    def _form_sync_group(self) -> None:
-        """(Re-)form the group: learner rank 0, rollout worker i rank i + 1, on a fresh port. All joins are
-        submitted at once: the learner's TCPStore and the backend wait for every member."""
-        rc = self.cfg.ray
-        self._close_sync_group()
-        if self._broadcast_failures >= self.MAX_BROADCAST_FAILURES:
-            self._event(f"weight sync: {self._broadcast_failures} broadcast failures in a row; the object store "
-                        "carries the weights for the rest of the run")
-            return
-        for w, t in [(w, w.submit("ping")) for w in self.rollout_workers]:
-            w.result(t)  # a dead worker would stall every join until the timeout: restart it first
-        n = len(self.rollout_workers) + 1
-        # NCCL only when every member holds a whole GPU: fractional GPUs may share a device, which NCCL refuses.
-        device = "cuda" if rc.learner_gpus >= 1 and rc.rollout_gpus >= 1 else "cpu"
-        try:
-            addr, port = self.ray.get(self.learner.sync_endpoint.remote())
-            joins = [self.learner.join_sync_group.remote(addr, port, n, rc.sync_timeout_s, device)]
-            joins += [w.handle.join_sync_group.remote(addr, port, i + 1, n, rc.sync_timeout_s, device)
-                      for i, w in enumerate(self.rollout_workers)]
-            self._get_all(joins)
-        except Exception as err:  # noqa: BLE001
-            self._broadcast_failures += 1
-            self._event(f"weight sync: could not form the broadcast group ({_brief(err)}); the next sync uses "
-                        "the object store and tries again")
-            return
-        self._group_restarts = [w.restarts for w in self.rollout_workers]
+        """Bring every rollout worker to the learner's weights (`WeightSyncDriver.sync`); sync/* metrics."""
+        return self.weights.sync()
 
     # ----------------------------------------------------------------------------------------- the step
     def step(self, step: int) -> dict:
@@ -502,7 +328,7 @@ class RLTrainer:
         self.ray.get(self.learner.save.remote(str(tmp / "learner")))
         self.ray.get(self.learner.export.remote(str(tmp / "model")))  # `ebpo export` reads this
         self.tokenizer.save_pretrained(str(tmp / "model"))
-        state = {"step": step, "sampler": self.sampler.state(), "version": self.version,
+        state = {"step": step, "sampler": self.sampler.state(), "version": self.weights.version,
                  "wandb_run_id": self.tracker.run_id, "events": self.events}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         shutil.rmtree(path, ignore_errors=True)
@@ -522,7 +348,7 @@ class RLTrainer:
         self.ray.get(self.learner.load.remote(str(path / "learner")))
         self.sampler.restore(state["sampler"])
         self.start_step = state["step"]
-        self.version = state["version"]
+        self.weights.version = state["version"]
         self.events = state.get("events", [])
         self.sync_weights()
         return state.get("wandb_run_id")

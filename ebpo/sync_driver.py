@@ -1,0 +1,152 @@
+"""Driver side of the learner -> rollout-worker weight sync for `RLTrainer` (systems code, no algorithm).
+
+`ray.weight_sync=object_store`: the learner's state dict goes into the Ray object store once and every
+rollout worker loads it. `ray.weight_sync=broadcast`: a bucketed broadcast over a standalone gloo/NCCL
+group (`ebpo.weight_sync`) with the learner as rank 0; a worker restarted since the group was formed,
+a failed broadcast or a group that cannot form makes that sync use the object store and re-forms the
+group, and after `MAX_BROADCAST_FAILURES` failures in a row the run stays on the object store.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+
+def brief(err: BaseException) -> str:
+    """`Type: first line` of an error, unwrapping a Ray task error to the exception raised in the actor."""
+    cause = getattr(err, "cause", None) or err
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[0][:300] if lines else ''}"
+
+
+class WeightSyncDriver:
+    """Keeps the rollout workers on the learner's weights; `version` counts the syncs done.
+
+    ray: the `ray` module. ray_cfg: the recipe's `ray` section (`weight_sync`, `bucket_mb`, `sync_timeout_s`,
+    `learner_gpus`, `rollout_gpus`). event: logs one line to the run's event list.
+    `attach(learner, rollout_workers)` must be called once the actors exist (workers are
+    `ebpo.actors.ResilientActor`s, the learner a `LearnerActor` handle)."""
+
+    MAX_BROADCAST_FAILURES = 3  # broadcast failures in a row before the run stays on the object store
+
+    def __init__(self, ray, ray_cfg, event: Callable[[str], None]):
+        self.ray, self.cfg, self._event = ray, ray_cfg, event
+        self.version = 0
+        self.latest_weights = None  # ObjectRef of the last state dict put in the object store
+        self.learner = None
+        self.rollout_workers: list = []
+        # each rollout worker's `restarts` when the group was formed (None: no group), and broadcast
+        # failures in a row
+        self.group_restarts: list[int] | None = None
+        self.broadcast_failures = 0
+
+    def attach(self, learner, rollout_workers: list) -> None:
+        """Start syncing to these actors; with broadcast, forms the group (all of them must be alive)."""
+        self.learner, self.rollout_workers = learner, rollout_workers
+        if self.cfg.weight_sync == "broadcast":
+            self._form_group()
+
+    def restart_weights(self):
+        """Weights for a (re)started rollout worker: None (the base model) before the first sync, else the
+        last synced policy (an ObjectRef, resolved by Ray when the actor is created)."""
+        if self.cfg.weight_sync == "object_store" or self.version == 0:
+            return self.latest_weights
+        # Broadcast mode keeps no copy in the object store, so ask the learner. Its weights equal the last
+        # synced ones here: a sync runs right after every learner update, and a worker is only (re)started
+        # outside that pair -- during rollout, reward or evaluation, or inside the sync itself, whose version
+        # is the learner's current weights. The learner runs calls in order, so this read comes after any
+        # update already submitted.
+        return self.learner.state_dict_for_sync.remote()
+
+    def sync(self) -> dict[str, float]:
+        """Bring every rollout worker to the learner's weights as version + 1; returns sync/* metrics
+        (broadcast mode only: bytes and buckets broadcast, both 0 when that sync fell back)."""
+        self.version += 1
+        if self.cfg.weight_sync == "object_store":
+            self._by_object_store()
+            return {}
+        if self.broadcast_failures >= self.MAX_BROADCAST_FAILURES:
+            self._by_object_store()
+            self.latest_weights = None  # restarted workers ask the learner (see restart_weights)
+            return {"sync/bytes": 0.0, "sync/buckets": 0.0}
+        return self._by_broadcast()
+
+    def close_group(self) -> None:
+        """Close the group on every member; a restarted worker has none, a dead one cannot answer."""
+        refs = [self.learner.close_sync_group.remote()] + [w.handle.close_sync_group.remote()
+                                                            for w in self.rollout_workers]
+        self.ray.wait(refs, num_returns=len(refs), timeout=60)
+        self.group_restarts = None
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _by_object_store(self) -> None:
+        self.latest_weights = self.learner.state_dict_for_sync.remote()
+        tickets = [w.submit("load_weights", self.latest_weights, self.version) for w in self.rollout_workers]
+        for w, t in zip(self.rollout_workers, tickets):
+            w.result(t)
+
+    def _by_broadcast(self) -> dict[str, float]:
+        """One bucketed broadcast, learner -> all rollout workers. A worker restarted since the group was
+        formed is not a member, and a failed broadcast leaves members in unknown states: both fall back to
+        the object store for this sync and re-form the group on a new port."""
+        if self.group_restarts is None:
+            return self._fall_back("no weight-sync group")
+        if self.group_restarts != [w.restarts for w in self.rollout_workers]:
+            return self._fall_back("a rollout worker was restarted since the weight-sync group was formed")
+        send = self.learner.broadcast_weights.remote(self.version, max(1, int(self.cfg.bucket_mb * 2**20)))
+        receives = [w.handle.receive_weights.remote(self.version) for w in self.rollout_workers]
+        try:
+            stats = self._get_all([send, *receives])[0]
+        except Exception as err:  # noqa: BLE001 (actor death, gloo/NCCL error or timeout: all handled alike)
+            self.broadcast_failures += 1
+            return self._fall_back(f"broadcast failed ({brief(err)})")
+        self.broadcast_failures = 0
+        return {"sync/bytes": float(stats["bytes"]), "sync/buckets": float(stats["buckets"])}
+
+    def _get_all(self, refs: list) -> list:
+        """Wait until every call has finished (so no member is still inside a collective), then return their
+        results or raise the first error. Each wait inside the group is bounded by ray.sync_timeout_s."""
+        self.ray.wait(refs, num_returns=len(refs))
+        results, errors = [], []
+        for ref in refs:
+            try:
+                results.append(self.ray.get(ref))
+            except Exception as err:  # noqa: BLE001
+                errors.append(err)
+        if errors:
+            raise errors[0]
+        return results
+
+    def _fall_back(self, reason: str) -> dict[str, float]:
+        self._event(f"weight sync v{self.version}: {reason}; using the object store for this sync and "
+                    "re-forming the broadcast group")
+        self._by_object_store()  # restarts any dead rollout worker (ResilientActor) with these weights
+        self.latest_weights = None  # restarted workers ask the learner (see restart_weights)
+        self._form_group()
+        return {"sync/bytes": 0.0, "sync/buckets": 0.0}
+
+    def _form_group(self) -> None:
+        """(Re-)form the group: learner rank 0, rollout worker i rank i + 1, on a fresh port. All joins are
+        submitted at once: the learner's TCPStore and the backend wait for every member."""
+        rc = self.cfg
+        self.close_group()
+        if self.broadcast_failures >= self.MAX_BROADCAST_FAILURES:
+            self._event(f"weight sync: {self.broadcast_failures} broadcast failures in a row; the object store "
+                        "carries the weights for the rest of the run")
+            return
+        for w, t in [(w, w.submit("ping")) for w in self.rollout_workers]:
+            w.result(t)  # a dead worker would stall every join until the timeout: restart it first
+        n = len(self.rollout_workers) + 1
+        # NCCL only when every member holds a whole GPU: fractional GPUs may share a device, which NCCL refuses.
+        device = "cuda" if rc.learner_gpus >= 1 and rc.rollout_gpus >= 1 else "cpu"
+        try:
+            addr, port = self.ray.get(self.learner.sync_endpoint.remote())
+            joins = [self.learner.join_sync_group.remote(addr, port, n, rc.sync_timeout_s, device)]
+            joins += [w.handle.join_sync_group.remote(addr, port, i + 1, n, rc.sync_timeout_s, device)
+                      for i, w in enumerate(self.rollout_workers)]
+            self._get_all(joins)
+        except Exception as err:  # noqa: BLE001
+            self.broadcast_failures += 1
+            self._event(f"weight sync: could not form the broadcast group ({brief(err)}); the next sync uses "
+                        "the object store and tries again")
+            return
+        self.group_restarts = [w.restarts for w in self.rollout_workers]
