@@ -5,6 +5,11 @@ on; plus batch B with the cache off for one preset (the slow one: it recomputes 
 sequence decodes exactly --new-tokens tokens (EOS stop off) so the rows are comparable. Prints a table
 and writes JSON with --json PATH. Targets (CPU, tiny model, 256 new tokens): cache on >= 3x cache off,
 batch 32 >= 8x the tokens/s of batch 1.
+
+Prompts are random token ids by default (--prompt-len tokens each). `--prompts FILE.jsonl` takes the
+first B rows' `prompt` field instead, chat-templated as in training and evaluation: the in-distribution
+case, where a trained model answers, writes EOS and then fills the rest of the canvas with confident
+EOS tokens, instead of rewriting what it wrote after a prompt it cannot read.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import json
 import os
 import platform
 import time
+from pathlib import Path
 
 
 def _run(model, prompts, config, seeds) -> dict:
@@ -29,16 +35,39 @@ def _run(model, prompts, config, seeds) -> dict:
             "forwards_per_seq": forwards / len(outs), "edits_per_seq": sum(o.num_edits for o in outs) / len(outs)}
 
 
+def prompt_ids_from_file(path: str, tokenizer, n: int) -> list[list[int]]:
+    """Token ids of the first `n` rows' `prompt` in a JSONL file, chat-templated as in evaluation.
+    Fewer than `n` rows is an error that names the file (the batch rows would not be comparable)."""
+    from ebpo.data import encode_prompt
+
+    rows = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise ValueError(f"{path}:{line_no}: not a JSON object with a `prompt` field ({err})") from None
+            if len(rows) == n:
+                break
+    if len(rows) < n:
+        raise ValueError(f"{path}: {len(rows)} prompts, the batch needs {n}")
+    return [encode_prompt(tokenizer, text, True) for text in rows]
+
+
 def main(argv: list[str]) -> int:
     import torch
 
-    from ebpo.model.loading import TINY_SFT_DIR, load_model
+    from ebpo.model.loading import TINY_SFT_DIR, load_model, load_model_tokenizer
     from rollout import DecodeConfig
 
     p = argparse.ArgumentParser(prog="ebpo bench decode")
     p.add_argument("--model", default=None, help="default: the shipped tiny-sft checkpoint, else preset:tiny")
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=16, help="random prompts: tokens per prompt")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL file: use the first --batch rows' `prompt` (chat template) instead of random ids")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--presets", default="quality,speed,m2t")
     p.add_argument("--off-batch-preset", default="m2t", help="preset for the batch-B cache-off row ('' = skip)")
@@ -52,8 +81,11 @@ def main(argv: list[str]) -> int:
     spec = a.model or ("tiny-sft" if (TINY_SFT_DIR / "config.json").exists() else "preset:tiny")
     model = load_model(spec, device=a.device).eval()
     V = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(8, V, (a.prompt_len,), generator=gen).tolist() for _ in range(a.batch)]
+    if a.prompts:
+        prompts = prompt_ids_from_file(a.prompts, load_model_tokenizer(spec), a.batch)
+    else:
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(8, V, (a.prompt_len,), generator=gen).tolist() for _ in range(a.batch)]
     seeds = list(range(a.batch))
 
     def cfg(preset, cache):
@@ -85,12 +117,14 @@ def main(argv: list[str]) -> int:
             ratios[preset][f"cache_speedup_batch{a.batch}"] = onB["tokens_per_s"] / offB["tokens_per_s"]
     result = {"machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "device": a.device,
                           "python": platform.python_version(), "torch": torch.__version__},
-              "model": spec, "new_tokens": a.new_tokens, "prompt_len": a.prompt_len, "rows": rows, "ratios": ratios}
+              "model": spec, "new_tokens": a.new_tokens, "prompts": a.prompts or f"random, {a.prompt_len} tokens",
+              "rows": rows, "ratios": ratios}
 
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"ebpo bench decode ({spec}, {a.new_tokens} new tokens, {a.device})")
+    source = f"prompts {Path(a.prompts).name}" if a.prompts else "random prompts"
+    t = Table(title=f"ebpo bench decode ({spec}, {source}, {a.new_tokens} new tokens, {a.device})")
     for col in ("preset", "batch", "cache", "tokens/s", "TPF", "forwards/seq", "edits/seq", "wall s"):
         t.add_column(col)
     for r in rows:
