@@ -1,7 +1,9 @@
 """`ebpo bench decode`: draft-and-edit decoding throughput (tokens/s) and tokens per forward (TPF).
 
 For each preset: batch 1 with the prefix KV cache on and off, and batch B (default 32) with the cache
-on; plus batch B with the cache off for one preset (the slow one: it recomputes the prefix). Every
+on; plus batch B with the cache off for one preset (the slow one: it recomputes the prefix). Every row
+decodes the same B prompts: batch 1 decodes them one at a time (until 2026-11-23 it decoded only the
+first prompt, so the batch-1 figure depended on that one prompt). Every
 sequence decodes exactly --new-tokens tokens (EOS stop off) so the rows are comparable. Prints a table
 and writes JSON with --json PATH. Targets (CPU, tiny model, 256 new tokens): cache on >= 3x cache off,
 batch 32 >= 8x the tokens/s of batch 1.
@@ -21,12 +23,16 @@ import time
 from pathlib import Path
 
 
-def _run(model, prompts, config, seeds) -> dict:
+def _run(model, prompts, config, seeds, batch: int) -> dict:
+    """Decode `prompts` in consecutive batches of `batch` (1 = each prompt alone) and time the whole lot,
+    so every row of the table decodes the same prompts and differs only in how they are batched."""
     from rollout import generate
 
-    t0 = time.perf_counter()
-    outs = generate(model, prompts, config, seeds=seeds)
-    wall = time.perf_counter() - t0
+    outs, wall = [], 0.0
+    for s in range(0, len(prompts), batch):
+        t0 = time.perf_counter()
+        outs += generate(model, prompts[s:s + batch], config, seeds=seeds[s:s + batch])
+        wall += time.perf_counter() - t0
     # Decoded positions, not the text up to the first EOS: with EOS stop off every sequence decodes
     # max_new_tokens positions, and a trained model on random prompts writes EOS early.
     tokens = len(outs) * config.max_new_tokens
@@ -92,14 +98,14 @@ def main(argv: list[str]) -> int:
         return DecodeConfig.preset(preset, max_new_tokens=a.new_tokens, use_cache=cache, stop_at_eos=False,
                                    temperature=a.temperature)
 
-    _run(model, prompts[:2], cfg("m2t", True).replace(max_new_tokens=16), seeds[:2])  # warm-up
+    _run(model, prompts[:2], cfg("m2t", True).replace(max_new_tokens=16), seeds[:2], 2)  # warm-up
     rows = []
     for preset in a.presets.split(","):
         plan = [(1, True), (1, False), (a.batch, True)]
         if preset == a.off_batch_preset:
             plan.append((a.batch, False))
         for batch, cache in plan:
-            r = _run(model, prompts[:batch], cfg(preset, cache), seeds[:batch])
+            r = _run(model, prompts, cfg(preset, cache), seeds, batch)
             rows.append({"preset": preset, "batch": batch, "cache": cache, **r})
             print(f"  {preset:8s} batch {batch:3d} cache {'on ' if cache else 'off'}: "
                   f"{r['tokens_per_s']:9.1f} tok/s  TPF {r['tpf']:.2f}", flush=True)

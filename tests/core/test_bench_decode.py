@@ -19,8 +19,8 @@ def test_bench_decode_on_held_out_prompts_writes_every_row(tmp_path):
     plan = [(r["preset"], r["batch"], r["cache"]) for r in result["rows"]]
     assert plan == [("m2t", 1, True), ("m2t", 1, False), ("m2t", 3, True), ("m2t", 3, False),
                     ("quality", 1, True), ("quality", 1, False), ("quality", 3, True)]
-    for r in result["rows"]:
-        assert r["tokens"] == 8 * r["batch"] and r["tokens_per_s"] > 0 and r["tpf"] > 0
+    for r in result["rows"]:  # every row decodes the same 3 prompts, batched or one at a time
+        assert r["tokens"] == 8 * 3 and r["tokens_per_s"] > 0 and r["tpf"] > 0
     assert set(result["ratios"]) == {"m2t", "quality"}
 
 
