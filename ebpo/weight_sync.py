@@ -21,7 +21,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -246,10 +246,15 @@ class WeightBroadcastGroup:
             raise
         return SendStats(sum(b.nbytes for b in plan), len(plan), time.perf_counter() - start)
 
-    def receive(self, version: int) -> dict[str, torch.Tensor]:
-        """Ranks 1..: wait for the plan of `version`, receive every bucket; returns name -> tensor on this
-        member's device (views into the received buckets). All buckets are alive at once here: the
-        receiver holds one extra copy of the weights until the caller has loaded them."""
+    def receive(self, version: int, consume: Callable[[dict[str, torch.Tensor]], None] | None = None
+                ) -> dict[str, torch.Tensor]:
+        """Ranks 1..: wait for the plan of `version` and receive every bucket.
+
+        Without `consume`, returns name -> tensor on this member's device (views into the received buckets):
+        every bucket is alive at once, one extra copy of the weights. With `consume`, each bucket's
+        name -> tensor views are handed to `consume` as soon as that bucket arrives and are dropped before
+        the next one is received, so the extra memory is one bucket; returns {}. An error inside `consume`
+        aborts the group like a failed collective (the other members are mid-version)."""
         if self.rank == 0:
             raise RuntimeError("rank 0 (the learner) sends, it does not receive")
         out: dict[str, torch.Tensor] = {}
@@ -258,7 +263,12 @@ class WeightBroadcastGroup:
             for bucket in plan:
                 flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.device)
                 self._broadcast(flat)
-                out.update(unpack_bucket(flat, bucket))
+                part = unpack_bucket(flat, bucket)
+                if consume is None:
+                    out.update(part)
+                else:
+                    consume(part)
+                del flat, part  # before the next bucket is allocated: at most one bucket alive
             self._synchronize()
         except BaseException:
             self._abort()

@@ -198,12 +198,14 @@ def expected_keys(model: nn.Module) -> set[str]:
 
 
 @torch.no_grad()
-def requantize_model_(model: nn.Module, state_dict: dict, strict: bool = True) -> nn.Module:
+def requantize_model_(model: nn.Module, state_dict: dict, strict: bool = True,
+                      allow_missing: bool = False) -> nn.Module:
     """Load a float state_dict of the ORIGINAL model into a converted model, re-quantising FP8 layers.
 
     Accepts stacked-expert keys (`...mlp.experts.gate_proj`) and released per-expert keys
     (`...mlp.experts.7.gate_proj.weight`). Other entries (norms, embeddings, router, lm_head) are copied.
-    strict=True raises a ValueError naming missing and unexpected keys. Returns the model.
+    strict=True raises a ValueError naming missing and unexpected keys; with allow_missing=True only
+    unexpected keys raise (a part of a state dict, e.g. one broadcast bucket). Returns the model.
     """
     own = model.state_dict(keep_vars=True)
     seen: set[str] = set()
@@ -241,7 +243,7 @@ def requantize_model_(model: nn.Module, state_dict: dict, strict: bool = True) -
         if len(experts) == mod.num_experts:
             seen.add(key)
     if strict:
-        missing = sorted(expected_keys(model) - seen)
+        missing = [] if allow_missing else sorted(expected_keys(model) - seen)
         if missing or unexpected:
             raise ValueError(f"requantize_model_: missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
                              f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")

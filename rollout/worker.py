@@ -82,12 +82,17 @@ class RolloutWorker:
         self.sync_group = WeightBroadcastGroup(addr, port, rank, world_size, timeout_s=timeout_s, device=device)
 
     def receive_weights(self, version: int) -> float:
-        """Receive the learner's broadcast of `version` and load it (FP8 layers re-quantised); returns
-        seconds taken, receiving included."""
+        """Receive the learner's broadcast of `version`, loading each bucket (FP8 layers re-quantised) as it
+        arrives so that the extra memory is one bucket; returns seconds taken, receiving included."""
         if self.sync_group is None:
             raise RuntimeError("receive_weights: this rollout worker is in no weight-sync group")
+        from .weight_loading import StreamingWeightLoader
+
         start = time.perf_counter()
-        self.load_weights(self.sync_group.receive(version), version)
+        loader = StreamingWeightLoader(self.model, self.fp8)
+        self.sync_group.receive(version, consume=loader.load_part)
+        loader.finish()
+        self.version = version
         return time.perf_counter() - start
 
     def close_sync_group(self) -> None:

@@ -4,6 +4,7 @@ import math
 import random
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -147,6 +148,59 @@ def test_three_rank_gloo_broadcast_is_bit_exact_for_two_versions():
                 assert got[name].dtype == t.dtype and got[name].shape == t.shape
                 assert torch.equal(as_bytes(got[name]), as_bytes(t)), (rank, v, name)
             assert state_dict_digest(got) == state_dict_digest(sd)
+
+
+def test_streaming_receive_hands_over_each_bucket_and_keeps_none_alive():
+    """receive(consume=...): every bucket reaches `consume` in plan order, bit-exact, and the previous
+    bucket's tensors (and the buffer under them) are gone before the next one is received (checked at
+    each bucket's broadcast call on the receiver)."""
+    port, world, bucket_bytes = free_port(), 2, 64
+    sd = sample_state_dict(3)
+    got: dict[str, torch.Tensor] = {}
+    order: list[list[str]] = []
+    alive_before: list[int] = []
+    errors: list[BaseException] = []
+    refs: list = []
+
+    def consume(part):
+        refs.clear()
+        refs.extend(weakref.ref(t) for t in part.values())
+        refs.extend(weakref.ref(t._base) for t in part.values() if t._base is not None)
+        order.append(list(part))
+        got.update({k: v.clone() for k, v in part.items()})
+
+    def member(rank: int) -> None:
+        group = None
+        try:
+            group = WeightBroadcastGroup("127.0.0.1", port, rank, world, timeout_s=30, local_addr="127.0.0.1")
+            if rank == 0:
+                group.send(sd, 1, bucket_bytes)
+            else:
+                receive_bucket = group._broadcast
+
+                def counting_broadcast(flat):
+                    alive_before.append(sum(r() is not None for r in refs))
+                    receive_bucket(flat)
+
+                group._broadcast = counting_broadcast
+                assert group.receive(1, consume=consume) == {}
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+        finally:
+            if group is not None:
+                group.close()
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert not errors, errors
+    plan = plan_buckets([(n, t.shape, t.dtype) for n, t in sd.items()], bucket_bytes)
+    assert order == [[s.name for s in b.slots] for b in plan] and len(order) >= 4
+    assert alive_before == [0] * len(plan)
+    for name, t in sd.items():
+        assert torch.equal(as_bytes(got[name]), as_bytes(t)), name
 
 
 def test_a_member_that_fails_mid_broadcast_fails_the_others_at_once_not_at_the_timeout():
