@@ -110,19 +110,17 @@ def sample_state_dict(seed: int) -> dict[str, torch.Tensor]:
             "head.weight": torch.randn(30, generator=gen)}
 
 
-def test_three_rank_gloo_broadcast_is_bit_exact_for_two_versions():
-    """Rank 0 sends, ranks 1 and 2 receive; each rank is a thread of this process with its own group."""
-    port, world, bucket_bytes = free_port(), 3, 64  # 64 bytes: several buckets per version
-    versions = {1: sample_state_dict(1), 2: sample_state_dict(2)}
-    results: dict[int, dict] = {}
+def run_members(world: int, port: int, body, timeout_s: float = 30) -> None:
+    """Run `body(rank, group)` for every rank of a fresh gloo group, each rank a thread of this process;
+    re-raises a member's error here and fails if a member is stuck."""
     errors: list[BaseException] = []
 
     def member(rank: int) -> None:
         group = None
         try:
-            group = WeightBroadcastGroup("127.0.0.1", port, rank, world, timeout_s=30, local_addr="127.0.0.1")
-            for v, sd in versions.items():
-                results[(rank, v)] = group.send(sd, v, bucket_bytes) if rank == 0 else group.receive(v)
+            group = WeightBroadcastGroup("127.0.0.1", port, rank, world, timeout_s=timeout_s,
+                                         local_addr="127.0.0.1")
+            body(rank, group)
         except BaseException as err:  # noqa: BLE001 (re-raised in the test thread)
             errors.append(err)
         finally:
@@ -133,9 +131,22 @@ def test_three_rank_gloo_broadcast_is_bit_exact_for_two_versions():
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=90)
+        t.join(timeout=3 * timeout_s)
     assert not errors, errors
     assert not any(t.is_alive() for t in threads), "a member is stuck"
+
+
+def test_three_rank_gloo_broadcast_is_bit_exact_for_two_versions():
+    """Rank 0 sends, ranks 1 and 2 receive; each rank is a thread of this process with its own group."""
+    port, world, bucket_bytes = free_port(), 3, 64  # 64 bytes: several buckets per version
+    versions = {1: sample_state_dict(1), 2: sample_state_dict(2)}
+    results: dict[int, dict] = {}
+
+    def body(rank: int, group: WeightBroadcastGroup) -> None:
+        for v, sd in versions.items():
+            results[(rank, v)] = group.send(sd, v, bucket_bytes) if rank == 0 else group.receive(v)
+
+    run_members(world, port, body)
     for v, sd in versions.items():
         plan = plan_buckets([(n, t.shape, t.dtype) for n, t in sd.items()], bucket_bytes)
         nbytes, buckets, seconds = results[(0, v)]
@@ -159,7 +170,6 @@ def test_streaming_receive_hands_over_each_bucket_and_keeps_none_alive():
     got: dict[str, torch.Tensor] = {}
     order: list[list[str]] = []
     alive_before: list[int] = []
-    errors: list[BaseException] = []
     refs: list = []
 
     def consume(part):
@@ -169,33 +179,20 @@ def test_streaming_receive_hands_over_each_bucket_and_keeps_none_alive():
         order.append(list(part))
         got.update({k: v.clone() for k, v in part.items()})
 
-    def member(rank: int) -> None:
-        group = None
-        try:
-            group = WeightBroadcastGroup("127.0.0.1", port, rank, world, timeout_s=30, local_addr="127.0.0.1")
-            if rank == 0:
-                group.send(sd, 1, bucket_bytes)
-            else:
-                receive_bucket = group._broadcast
+    def body(rank: int, group: WeightBroadcastGroup) -> None:
+        if rank == 0:
+            group.send(sd, 1, bucket_bytes)
+            return
+        receive_bucket = group._broadcast
 
-                def counting_broadcast(flat):
-                    alive_before.append(sum(r() is not None for r in refs))
-                    receive_bucket(flat)
+        def counting_broadcast(flat):
+            alive_before.append(sum(r() is not None for r in refs))
+            receive_bucket(flat)
 
-                group._broadcast = counting_broadcast
-                assert group.receive(1, consume=consume) == {}
-        except BaseException as err:  # noqa: BLE001
-            errors.append(err)
-        finally:
-            if group is not None:
-                group.close()
+        group._broadcast = counting_broadcast
+        assert group.receive(1, consume=consume) == {}
 
-    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=90)
-    assert not errors, errors
+    run_members(world, port, body)
     plan = plan_buckets([(n, t.shape, t.dtype) for n, t in sd.items()], bucket_bytes)
     assert order == [[s.name for s in b.slots] for b in plan] and len(order) >= 4
     assert alive_before == [0] * len(plan)
