@@ -2,8 +2,8 @@
 
     python examples/tasks/generate.py --out examples/data            # the shipped files (seed 0)
 
-Writes `{math,code}_{train,eval}.jsonl`, `math_train_mixed.jsonl` (half the math responses without
-their working, for the RL quickstart's starting model) and `cpt_corpus.jsonl`. The same seed always gives byte-identical
+Writes `{math,code}_{train,eval}.jsonl`, `{math,code}_train_mixed.jsonl` (half the responses without
+their working or function wrapper, for the RL quickstarts' starting model) and `cpt_corpus.jsonl`. The same seed always gives byte-identical
 files; held-out prompts never occur in the training split.
 
 * math (level `worked`, the default): `Compute 74+27.`, `Compute 25-80.`, `Compute 42*4.`, and word
@@ -192,17 +192,26 @@ def split_rows(make, rng: random.Random, n_train: int, n_eval: int) -> tuple[lis
     return rows[n_eval:], rows[:n_eval]
 
 
-def mixed_style_rows(rows: list[dict], bare_fraction: float, rng: random.Random) -> list[dict]:
-    """Copies of the worked math `rows` in which a `bare_fraction` of the responses (drawn per row with `rng`)
-    are the bare `\\boxed{ANSWER}` without the working; the rest are unchanged. Same order, same prompts.
+def bare_response(row: dict) -> str:
+    """The answer without its working: `\\boxed{ANSWER}` for math, the bare expression for code (no
+    `def`, so the tests, which call the function, fail on it)."""
+    if row["task"] == "math":
+        return f"\\boxed{{{row['answer']}}}"
+    return row["response"].split("return ", 1)[1]
 
-    Real SFT data mixes answers that show their reasoning with answers that do not. A model trained on
-    this mix picks either style for a question, and the bare style is almost always wrong for the tiny
-    model (it cannot add two-digit numbers in one step): the RL quickstart starts from such a model
-    (`recipes/sft_tiny_mixed.yaml`) and learns from the reward alone to show the working."""
+
+def mixed_style_rows(rows: list[dict], bare_fraction: float, rng: random.Random) -> list[dict]:
+    """Copies of the worked `rows` in which a `bare_fraction` of the responses (drawn per row with `rng`)
+    are bare (`bare_response`); the rest are unchanged. Same order, same prompts.
+
+    Real SFT data mixes answers that show their reasoning with answers that do not, and code answers
+    that write the function asked for with ones that give only its body. A model trained on this mix
+    picks either style for a question, and the bare style is almost always wrong (the tiny model cannot
+    add two-digit numbers in one step; a bare expression defines no function): the RL quickstarts start
+    from such a model (`recipes/sft_tiny_mixed.yaml`) and learn from the reward alone to answer in full."""
     if not 0.0 <= bare_fraction <= 1.0:
         raise ValueError(f"bare_fraction must be in [0, 1], got {bare_fraction}")
-    return [dict(r, response=f"\\boxed{{{r['answer']}}}") if rng.random() < bare_fraction else dict(r) for r in rows]
+    return [dict(r, response=bare_response(r)) if rng.random() < bare_fraction else dict(r) for r in rows]
 
 
 def cpt_documents(rows: list[dict]) -> list[dict]:
@@ -220,8 +229,8 @@ def generate(out: str | Path, seed: int = 0, n_train: int = 10000, n_eval: int =
              level: str = "worked", fact_repeats: int = 0, bare_fraction: float = 0.5) -> list[Path]:
     """Write every split of the `level` mix ("worked" | "easy" | "hard") under `out`; returns the paths written.
 
-    With the `worked` level it also writes `math_train_mixed.jsonl`: the math training rows with a
-    `bare_fraction` of bare-answer responses (`mixed_style_rows`), the data of `recipes/sft_tiny_mixed.yaml`.
+    With the `worked` level it also writes `{math,code}_train_mixed.jsonl`: the training rows with a
+    `bare_fraction` of bare responses (`mixed_style_rows`), the data of `recipes/sft_tiny_mixed.yaml`.
 
     `fact_repeats` copies of `fact_rows()` are shuffled into the math training split, on top of its
     `n_train` unique two-digit questions (default 0: five copies did not help the tiny model, see
@@ -245,9 +254,10 @@ def generate(out: str | Path, seed: int = 0, n_train: int = 10000, n_eval: int =
         else:
             code_train = train
     if level == "worked":
-        mixed = mixed_style_rows(math_train, bare_fraction, random.Random(seed * 1000 + 11))
-        write_jsonl(out / "math_train_mixed.jsonl", mixed)
-        written.append(out / "math_train_mixed.jsonl")
+        for name, rows, offset in (("math", math_train, 11), ("code", code_train, 12)):
+            mixed = mixed_style_rows(rows, bare_fraction, random.Random(seed * 1000 + offset))
+            write_jsonl(out / f"{name}_train_mixed.jsonl", mixed)
+            written.append(out / f"{name}_train_mixed.jsonl")
     docs = cpt_documents(math_train[: n_cpt // 2] + code_train[: n_cpt // 2])
     write_jsonl(out / "cpt_corpus.jsonl", docs)
     written.append(out / "cpt_corpus.jsonl")
@@ -266,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fact-repeats", type=int, default=0,
                     help="copies of the one-digit fact questions (`fact_rows`) added to math_train")
     ap.add_argument("--bare-fraction", type=float, default=0.5,
-                    help="share of bare-answer responses in math_train_mixed.jsonl (worked level only)")
+                    help="share of bare responses in {math,code}_train_mixed.jsonl (worked level only)")
     args = ap.parse_args(argv)
     for p in generate(args.out, args.seed, args.n_train, args.n_eval, args.n_cpt, args.level, args.fact_repeats,
                       args.bare_fraction):

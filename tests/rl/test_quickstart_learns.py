@@ -30,4 +30,4 @@ def test_three_quickstart_steps_teach_the_mixed_model_to_show_its_working(ray_lo
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     assert set(acc) == {0, 3}
-    assert acc[0] <= 0.7 and acc[3] >= acc[0] + 0.2, acc  # measured: 0.58 -> 0.88
+    assert acc[0] <= 0.7 and acc[3] >= acc[0] + 0.2, acc  # measured: 0.44 -> 0.83

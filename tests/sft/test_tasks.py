@@ -119,24 +119,35 @@ def test_shipped_model_knows_its_one_digit_facts():
 
 
 def test_mixed_style_rows_keep_prompts_and_answers(tmp_path):
-    """math_train_mixed.jsonl: the math training rows in the same order, each response either unchanged
-    or exactly the bare boxed answer, about `bare_fraction` of them bare, reproducible from the seed."""
+    """{math,code}_train_mixed.jsonl: the training rows in the same order, each response either unchanged or
+    exactly its bare form (the boxed answer; the expression without `def`), about `bare_fraction` of them
+    bare, reproducible from the seed. A bare code answer fails its own tests."""
     import pytest
 
     from examples.tasks.generate import mixed_style_rows
 
     generate(tmp_path / "a", seed=5, n_train=1000, n_eval=20, n_cpt=10, bare_fraction=0.3)
     generate(tmp_path / "b", seed=5, n_train=1000, n_eval=20, n_cpt=10, bare_fraction=0.3)
-    a = (tmp_path / "a" / "math_train_mixed.jsonl").read_bytes()
-    assert a == (tmp_path / "b" / "math_train_mixed.jsonl").read_bytes()
-    worked, mixed = rows(tmp_path / "a" / "math_train.jsonl"), rows(tmp_path / "a" / "math_train_mixed.jsonl")
-    assert len(worked) == len(mixed) == 1000
-    bare = 0
-    for w, m in zip(worked, mixed):
-        assert {k: v for k, v in w.items() if k != "response"} == {k: v for k, v in m.items() if k != "response"}
-        if m["response"] != w["response"]:
-            assert m["response"] == "\\boxed{" + w["answer"] + "}"
+    for task in ("math", "code"):
+        a = (tmp_path / "a" / f"{task}_train_mixed.jsonl").read_bytes()
+        assert a == (tmp_path / "b" / f"{task}_train_mixed.jsonl").read_bytes()
+        worked = rows(tmp_path / "a" / f"{task}_train.jsonl")
+        mixed = rows(tmp_path / "a" / f"{task}_train_mixed.jsonl")
+        assert len(worked) == len(mixed) == 1000
+        bare = 0
+        for w, m in zip(worked, mixed):
+            assert {k: v for k, v in w.items() if k != "response"} == {k: v for k, v in m.items() if k != "response"}
+            if m["response"] == w["response"]:
+                continue
             bare += 1
-    assert 240 <= bare <= 360  # Binomial(1000, 0.3): mean 300, sd 14.5
+            if task == "math":
+                assert m["response"] == "\\boxed{" + w["answer"] + "}"
+            else:
+                assert w["response"].endswith("    return " + m["response"]) and "def" not in m["response"]
+                with pytest.raises(NameError):  # run as the code reward runs it: x and the function are undefined
+                    ns = {}
+                    exec(m["response"], ns)
+                    exec(m["tests"][0], ns)
+        assert 240 <= bare <= 360, (task, bare)  # Binomial(1000, 0.3): mean 300, sd 14.5
     with pytest.raises(ValueError, match="bare_fraction"):
         mixed_style_rows(worked, 1.5, __import__("random").Random(0))
