@@ -11,7 +11,8 @@ to the receivers through the group's TCPStore, so they can allocate each bucket 
 
     group = WeightBroadcastGroup(addr, port, rank, world_size, timeout_s=300)   # on every member at once
     group.send(sd, version, bucket_bytes)     # rank 0 -> SendStats(bytes, buckets, seconds)
-    sd = group.receive(version)               # ranks 1.. -> {name: tensor}
+    sd = group.receive(version)               # ranks 1.. -> {name: tensor}, every bucket alive at once
+    group.receive(version, consume=load_part) # ranks 1..: each bucket's {name: tensor} as it arrives
 """
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def pack_bucket(tensors: Mapping[str, torch.Tensor], bucket: Bucket, device: str
 
 def unpack_bucket(flat: torch.Tensor, bucket: Bucket) -> dict[str, torch.Tensor]:
     """name -> tensor of the slot's shape. These are VIEWS into `flat` (no copy): clone them before reusing
-    `flat`. `load_state_dict` copies them into the parameters, so a receiver keeps no second copy."""
+    `flat`. Loading them into a model copies them, so a receiver that loads each bucket as it arrives
+    (`WeightBroadcastGroup.receive(consume=...)`) keeps no second copy of the weights."""
     if flat.dim() != 1 or flat.numel() != bucket.numel or flat.dtype != bucket.dtype:
         raise ValueError(f"flat buffer is {tuple(flat.shape)} {flat.dtype}, the bucket needs "
                          f"({bucket.numel},) {bucket.dtype}")

@@ -42,24 +42,15 @@ def _run(model, prompts, config, seeds, batch: int) -> dict:
 
 
 def prompt_ids_from_file(path: str, tokenizer, n: int) -> list[list[int]]:
-    """Token ids of the first `n` rows' `prompt` in a JSONL file, chat-templated as in evaluation.
-    Fewer than `n` rows is an error that names the file (the batch rows would not be comparable)."""
-    from ebpo.data import encode_prompt
+    """Token ids of the first `n` rows' `prompt` in a data file (`ebpo.data.load_rows`: JSONL, JSON, Parquet),
+    chat-templated as in evaluation. A bad row names its file and line; fewer than `n` rows is an error
+    too (the batch rows would not be comparable)."""
+    from ebpo.data import encode_prompt, load_rows
 
-    rows = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line)["prompt"])
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{line_no}: not a JSON object with a `prompt` field ({err})") from None
-            if len(rows) == n:
-                break
+    rows = load_rows(path, required=("prompt",))
     if len(rows) < n:
         raise ValueError(f"{path}: {len(rows)} prompts, the batch needs {n}")
-    return [encode_prompt(tokenizer, text, True) for text in rows]
+    return [encode_prompt(tokenizer, row["prompt"], True) for row in rows[:n]]
 
 
 def main(argv: list[str]) -> int:

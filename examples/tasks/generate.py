@@ -3,8 +3,8 @@
     python examples/tasks/generate.py --out examples/data            # the shipped files (seed 0)
 
 Writes `{math,code}_{train,eval}.jsonl`, `{math,code}_train_mixed.jsonl` (half the responses without
-their working or function wrapper, for the RL quickstarts' starting model) and `cpt_corpus.jsonl`. The same seed always gives byte-identical
-files; held-out prompts never occur in the training split.
+their working or function wrapper, for the RL quickstarts' starting model) and `cpt_corpus.jsonl`.
+The same seed always gives byte-identical files; held-out prompts never occur in the training split.
 
 * math (level `worked`, the default): `Compute 74+27.`, `Compute 25-80.`, `Compute 42*4.`, and word
   problems (`Mia has 63 books and gives away 59. How many books?`). Row: `{"prompt", "answer", "response",
