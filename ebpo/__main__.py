@@ -1,4 +1,4 @@
 """`python -m ebpo ...` is the `ebpo` command (useful where pip's script folder is not on PATH)."""
-from .cli import main
+from ebpo.cli import main
 
 raise SystemExit(main())

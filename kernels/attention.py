@@ -3,7 +3,7 @@
     attention(q (B, Hq, Lq, D), k, v (B, Hkv, Lk, D), keep_mask=None, *, block_mask=None, scale=None)
 
 keep_mask is bool, broadcastable to (B, 1, Lq, Lk), True = may attend (the project-wide convention of
-`ebpo.masks`); None = full attention, which is exactly what decoding the active block against a prefix
+`ebpo.model.masks`); None = full attention, which is exactly what decoding the active block against a prefix
 KV cache needs. GQA: Hq must be a multiple of Hkv. With a `block_mask` (from `flex_block_mask`) the call
 goes to FlexAttention (compiled on CUDA; the eager reference implementation on CPU, which materialises the
 scores and is for tests). Both give the same result for the same mask.

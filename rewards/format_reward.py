@@ -34,7 +34,8 @@ def format_boxed(*, completion: str, **_) -> RewardResult:
 
 def format_code(*, completion: str, language: str = "python", **_) -> RewardResult:
     """1.0 if the completion has a fenced code block in ``language`` (or untagged) with a body."""
-    blocks = [b for lang, b in code_blocks(completion or "") if lang in ("", language.lower(), "py" if language == "python" else language)]
+    accepted = ("", language.lower(), "py" if language == "python" else language)
+    blocks = [b for lang, b in code_blocks(completion or "") if lang in accepted]
     return RewardResult(1.0 if any(b.strip() for b in blocks) else 0.0)
 
 

@@ -85,6 +85,24 @@ def _eos_ids(config) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
+def _unpad_rows(prompts, attention_mask: torch.Tensor | None):
+    """A (B, L) tensor batch (optionally with its (B, L) attention mask) as a list of per-row id lists;
+    anything else passes through unchanged. Padding may sit on either side: only masked-in ids are kept."""
+    if not isinstance(prompts, torch.Tensor):
+        if attention_mask is not None:
+            raise ValueError("generate: attention_mask is only accepted with a 2-D tensor of prompts")
+        return prompts
+    if prompts.dim() != 2:
+        raise ValueError(f"generate: a tensor of prompts must be 2-D (batch, length), got shape {tuple(prompts.shape)}")
+    if attention_mask is None:
+        return [row.tolist() for row in prompts]
+    if attention_mask.shape != prompts.shape:
+        raise ValueError(f"generate: attention_mask has shape {tuple(attention_mask.shape)}, prompts "
+                         f"{tuple(prompts.shape)}; they must match")
+    keep = attention_mask.bool().cpu()
+    return [row[k].tolist() for row, k in zip(prompts.cpu(), keep)]
+
+
 def _encode_prompts(prompts, tokenizer, vocab_size: int) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
         raise ValueError("generate: `prompts` must be a list of prompts (token-id lists or strings), not one prompt")
@@ -122,11 +140,16 @@ def _make_generators(n, seeds, generators, temperature, device):
 @torch.no_grad()
 def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=None, seeds: list[int] | None = None,
              generators: list[torch.Generator] | None = None, progress: bool = False,
-             on_step: Callable[[StepEvent], None] | None = None) -> list[GenerationOutput]:
+             on_step: Callable[[StepEvent], None] | None = None,
+             attention_mask: torch.Tensor | None = None) -> list[GenerationOutput]:
     """Decode every prompt with draft-and-edit decoding; returns one `GenerationOutput` per prompt.
 
     model: an `LLaDA2MoeModelLM` (any module with the same forward signature and `config`).
-    prompts: list of token-id lists (or strings, with `tokenizer`), any lengths (>= 0 tokens).
+    prompts: list of token-id lists (or strings, with `tokenizer`), any lengths (>= 0 tokens); or a 2-D
+        (B, L) long tensor of token ids, each row one prompt, as a tokenizer returns it.
+    attention_mask: only with a tensor `prompts`: (B, L), 1/True on the prompt's tokens, 0/False on padding
+        (left or right, e.g. `tokenizer(texts, padding=True, return_tensors="pt")`); padding is dropped.
+        Without it every position of a row is part of its prompt.
     config: a `DecodeConfig` (default: the `quality` preset).
     seeds / generators: one per prompt, for sampling (temperature > 0). A sequence's draws come only from
         its own generator, so its output does not depend on what else is in the batch.
@@ -137,7 +160,7 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
     K = cfg.block_size or mcfg.block_size
     mask_id, eos_ids = int(mcfg.mask_token_id), _eos_ids(mcfg)
     M = cfg.max_new_tokens
-    ids = _encode_prompts(prompts, tokenizer, mcfg.vocab_size)
+    ids = _encode_prompts(_unpad_rows(prompts, attention_mask), tokenizer, mcfg.vocab_size)
     n = len(ids)
     param = next(model.parameters())
     dev = param.device

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ebpo.masks import block_causal_mask_from_positions
+from ebpo.model.masks import block_causal_mask_from_positions
 
 
 @dataclass

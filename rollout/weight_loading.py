@@ -3,7 +3,7 @@
 A rollout worker that loaded only after the whole broadcast held a second copy of the weights during
 every sync (32 GB for LLaDA2.1-mini in bf16). `StreamingWeightLoader` copies (or, for FP8 layers,
 re-quantises) each bucket's tensors into the model as soon as that bucket is received, so the extra
-memory is one bucket (`ray.bucket_mb`). A tensor never spans two buckets (`ebpo.weight_sync.plan_buckets`),
+memory is one bucket (`ray.bucket_mb`). A tensor never spans two buckets (`rollout.weight_sync.plan_buckets`),
 so every part holds whole tensors under the model's own names.
 """
 from __future__ import annotations

@@ -33,7 +33,7 @@ class RolloutWorker:
         self.tokenizer = load_model_tokenizer(model)
         self.fp8 = fp8
         self.version = 0
-        self.sync_group = None  # ebpo.weight_sync.WeightBroadcastGroup with ray.weight_sync=broadcast
+        self.sync_group = None  # rollout.weight_sync.WeightBroadcastGroup with ray.weight_sync=broadcast
         if weights is not None:
             self.load_weights(weights, weights_version)
         if fp8:
@@ -76,7 +76,7 @@ class RolloutWorker:
     def join_sync_group(self, addr: str, port: int, rank: int, world_size: int, timeout_s: float,
                         device: str = "cpu") -> None:
         """Join the learner's broadcast group as `rank` (>= 1); blocks until every member joined."""
-        from ebpo.weight_sync import WeightBroadcastGroup
+        from rollout.weight_sync import WeightBroadcastGroup
 
         self.close_sync_group()
         self.sync_group = WeightBroadcastGroup(addr, port, rank, world_size, timeout_s=timeout_s, device=device)
@@ -103,7 +103,7 @@ class RolloutWorker:
     def weights_digest(self) -> dict:
         """SHA-256 and counts of the policy's state_dict; equals the learner's `weights_digest()` after a sync
         when `fp8` is off (FP8 layers hold re-quantised weights, not the learner's)."""
-        from ebpo.weight_sync import state_dict_digest
+        from rollout.weight_sync import state_dict_digest
 
         return state_dict_digest(self.model.state_dict())
 

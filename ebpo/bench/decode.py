@@ -42,10 +42,10 @@ def _run(model, prompts, config, seeds, batch: int) -> dict:
 
 
 def prompt_ids_from_file(path: str, tokenizer, n: int) -> list[list[int]]:
-    """Token ids of the first `n` rows' `prompt` in a data file (`ebpo.data.load_rows`: JSONL, JSON, Parquet),
+    """Token ids of the first `n` rows' `prompt` in a data file (`ebpo.infra.data.load_rows`: JSONL, JSON, Parquet),
     chat-templated as in evaluation. A bad row names its file and line; fewer than `n` rows is an error
     too (the batch rows would not be comparable)."""
-    from ebpo.data import encode_prompt, load_rows
+    from ebpo.infra.data import encode_prompt, load_rows
 
     rows = load_rows(path, required=("prompt",))
     if len(rows) < n:

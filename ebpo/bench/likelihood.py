@@ -27,7 +27,7 @@ import torch
 
 
 def _setup(args, n_draws: int):
-    from ebpo.likelihood import draw_noise
+    from ebpo.core.likelihood import draw_noise
     from ebpo.model import LLaDA2MoeModelLM, tiny_config
 
     torch.manual_seed(0)
@@ -54,7 +54,7 @@ def _time(fn, repeats: int) -> float:
 
 
 def speed(args) -> dict:
-    from ebpo.likelihood import all_composites, composite_logprobs_blockwise
+    from ebpo.core.likelihood import all_composites, composite_logprobs_blockwise
 
     model, ids, _, noise = _setup(args, args.n_draws)
     model.eval()
@@ -89,8 +89,8 @@ def _rss_bytes() -> int:
 
 def memory_child(args) -> dict:
     """One forward+backward of the EBPO loss; returns peak RSS above the pre-step RSS (bytes)."""
-    from ebpo.algos import ebpo_loss
-    from ebpo.likelihood import direct_backward, replay_backward
+    from ebpo.core.algos import ebpo_loss
+    from ebpo.core.likelihood import direct_backward, replay_backward
 
     model, ids, resp, noise = _setup(args, args.n_draws)
     model.train()
@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(memory_child(args)))
         return 0
-    result = {"config": {k: v for k, v in vars(args).items() if k not in ("child", "mode", "packed", "nograd_chunk", "cached")},
+    internal = ("child", "mode", "packed", "nograd_chunk", "cached")
+    result = {"config": {k: v for k, v in vars(args).items() if k not in internal},
               "speed": speed(args)}
     if not args.skip_memory:
         result["memory"] = memory(args)

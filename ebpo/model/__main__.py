@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from . import LLaDA2MoeModelLM, load_preset, preset_names
+from ebpo.model import LLaDA2MoeModelLM, load_preset, preset_names
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--preset", default="tiny", choices=preset_names())

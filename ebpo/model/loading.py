@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 
-from .modeling_llada2_moe import LLaDA2MoeModelLM
-from .presets import load_preset
-from .tokenizer import load_tokenizer
+from ebpo.model.modeling_llada2_moe import LLaDA2MoeModelLM
+from ebpo.model.presets import load_preset
+from ebpo.model.tokenizer import load_tokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TINY_SFT_DIR = ASSETS / "tiny-sft"  # the tiny model trained by recipes/sft_tiny.yaml, shipped with the package
@@ -32,7 +32,8 @@ def resolve_model_path(spec: str) -> str:
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LLaDA2MoeModelLM:
-    """Load a model from a folder (`save_pretrained` layout), a shipped name (`tiny-sft`, `tiny-sft-mixed`), or `preset:NAME[@seed]` (random init).
+    """Load a model from a folder (`save_pretrained` layout), a shipped name (`tiny-sft`, `tiny-sft-mixed`),
+    or `preset:NAME[@seed]` (random init).
 
     A preset is initialised from an explicit generator-free seed scope (`torch.random.fork_rng`) so that
     naming the same spec twice gives the same weights without touching the caller's global RNG state.

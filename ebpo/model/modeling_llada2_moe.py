@@ -26,9 +26,9 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from ..masks import padding_to_block_causal, block_causal_mask
-from .cache import BlockKVCache
-from .configuration_llada2_moe import LLaDA2MoeConfig
+from ebpo.model.masks import padding_to_block_causal, block_causal_mask
+from ebpo.model.cache import BlockKVCache
+from ebpo.model.configuration_llada2_moe import LLaDA2MoeConfig
 
 
 class LLaDA2MoeRMSNorm(nn.Module):
@@ -357,9 +357,11 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
             return padding_to_block_causal(attention_mask, self.config.block_size)
         if attention_mask is not None:
             if attention_mask.dim() != 4:
-                raise ValueError(f"attention_mask: expected 2-D (batch, len) or 4-D (batch, 1, q, k), got {tuple(attention_mask.shape)}")
+                raise ValueError("attention_mask: expected 2-D (batch, len) or 4-D (batch, 1, q, k), "
+                                 f"got {tuple(attention_mask.shape)}")
             if attention_mask.dtype != torch.bool:
-                raise ValueError(f"attention_mask: 4-D masks must be boolean keep-masks (True = attend), got {attention_mask.dtype}")
+                raise ValueError("attention_mask: 4-D masks must be boolean keep-masks (True = attend), "
+                                 f"got {attention_mask.dtype}")
         if cache is None:
             if attention_mask is None:
                 return block_causal_mask(L, self.config.block_size, device=device)[None, None]
@@ -399,7 +401,7 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel):
 
         attention_mask: None (block-causal over the input with `config.block_size`), a 2-D (B, L) padding
             mask (block-causal plus padding), or a 4-D bool keep-mask (B|1, 1, L, L) such as those of
-            `ebpo.masks`. With `past_key_values` a 4-D mask may cover the new tokens only (L, L), combined
+            `ebpo.model.masks`. With `past_key_values` a 4-D mask may cover the new tokens only (L, L), combined
             with the cache's per-row prefix validity, or everything (L, S + L).
         position_ids: (B, L) or (L,) absolute positions; default 0..L-1 (after the cache's length).
         past_key_values: a `BlockKVCache`; the new tokens' keys/values are staged and committed by the

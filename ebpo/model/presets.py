@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .configuration_llada2_moe import LLaDA2MoeConfig
+from ebpo.model.configuration_llada2_moe import LLaDA2MoeConfig
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
 

@@ -27,7 +27,7 @@ def probe_facts(model, tokenizer, rows: list[dict]) -> dict[str, tuple[float, fl
     One forward per digit: the prompt and the reference response before that digit are visible, the
     digit and the rest of its block of K tokens are masks (block-causal attention, so later blocks do not
     matter and are left out)."""
-    from ebpo.data import encode_prompt
+    from ebpo.infra.data import encode_prompt
 
     K, mask_id = model.config.block_size, model.config.mask_token_id
     found = {"first": ([], []), "later": ([], [])}

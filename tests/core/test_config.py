@@ -1,9 +1,9 @@
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import pytest
 
-from ebpo.config import ConfigError, doc, load_config, parse_overrides
+from ebpo.infra.config import ConfigError, doc, load_config, parse_overrides
 
 
 @dataclass

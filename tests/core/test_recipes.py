@@ -4,11 +4,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ebpo.config import build, load_config
-from ebpo.learner import LearnerConfig
+from ebpo.infra.config import build, load_config
+from ebpo.rl.learner import LearnerConfig
 from ebpo.model.loading import resolve_model_path
-from ebpo.rl_config import RLConfig
-from ebpo.sft_config import SFTConfig
+from ebpo.rl.config import RLConfig
+from ebpo.sft.config import SFTConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

@@ -1,4 +1,4 @@
-"""CPU tests: flex masks vs the dense masks of ebpo.masks; SDPA and FlexAttention vs a plain reference."""
+"""CPU tests: flex masks vs the dense masks of ebpo.model.masks; SDPA and FlexAttention vs a plain reference."""
 import math
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from kernels.attention import attention, flex_block_mask, layout_length, mask_mod_for
 
-masks = pytest.importorskip("ebpo.masks")
+masks = pytest.importorskip("ebpo.model.masks")
 
 
 def dense_reference(kind, L, K, n):

@@ -33,7 +33,7 @@ def test_model_fp8_on_cuda():
 def test_logprobs_and_flex_cuda():
     from kernels.attention import attention, flex_block_mask
     from kernels.logprobs import token_logprobs
-    from ebpo.masks import packed_noisy_clean_mask
+    from ebpo.model.masks import packed_noisy_clean_mask
     h = torch.randn(300, 256, device="cuda", requires_grad=True)
     w = torch.randn(5000, 256, device="cuda", requires_grad=True)
     t = torch.randint(0, 5000, (300,), device="cuda")

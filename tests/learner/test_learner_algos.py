@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from ebpo.algos import clipped_surrogate, compute_advantages, ebpo_loss, kl_estimate, log_ratio
+from ebpo.core.algos import clipped_surrogate, compute_advantages, ebpo_loss, kl_estimate, log_ratio
 
 
 def plain_advantages(rewards, groups, method, std_normalize, eps):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from ebpo.algos import ebpo_loss
-from ebpo.likelihood import (all_composites, direct_backward, draw_noise, replay_backward,
+from ebpo.core.algos import ebpo_loss
+from ebpo.core.likelihood import (all_composites, direct_backward, draw_noise, replay_backward,
                              response_mask_from_ids)
 
 
@@ -186,7 +186,7 @@ def test_gradient_replay_equals_direct_backprop(small_model):
 
 
 def test_response_mask_agrees_with_rl_batch_layout():
-    from ebpo.rl_batch import build_learner_batch
+    from ebpo.rl.batch import build_learner_batch
 
     prompts = [[0, 5, 6], [0, 7], [0, 8, 9, 10]]
     responses = [[20, 21, EOS], [22, 23, 24, 25, 26], [27, EOS]]  # the second one was cut (no EOS)

@@ -4,10 +4,10 @@ import copy
 import pytest
 import torch
 
-from ebpo.algos import compute_advantages, ebpo_loss
-from ebpo.config import ConfigError, build
-from ebpo.learner import EBPOLearner, LearnerConfig, lr_factor
-from ebpo.likelihood import all_composites, draw_noise, response_mask_from_ids
+from ebpo.core.algos import compute_advantages, ebpo_loss
+from ebpo.infra.config import ConfigError, build
+from ebpo.rl.learner import EBPOLearner, LearnerConfig, lr_factor
+from ebpo.core.likelihood import all_composites, draw_noise, response_mask_from_ids
 
 EOS, MASK = 1, 2
 
@@ -53,7 +53,8 @@ def test_toy_reward_raises_likelihood_of_rewarded_responses(small_model):
     assert (delta[rewards == 1] > 0).all(), delta
     assert (delta[rewards == 0] < 0).all(), delta
     for key in ("actor/pg_loss", "actor/clipfrac_low", "actor/clipfrac_high", "actor/clipfrac_dual",
-                "actor/log_ratio_mean", "actor/log_ratio_max", "actor/kl", "actor/grad_norm", "actor/lr", "timing_s/old_logprob",
+                "actor/log_ratio_mean", "actor/log_ratio_max", "actor/kl", "actor/grad_norm", "actor/lr",
+                "timing_s/old_logprob",
                 "timing_s/update", "likelihood/block_per_token_mean"):
         assert key in m
 

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from ebpo.masks import block_causal_mask
+from ebpo.model.masks import block_causal_mask
 from ebpo.model import tiny_config
 from ebpo.model.modeling_llada2_moe import LLaDA2MoeAttention, apply_partial_rope, rope_cos_sin
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ebpo.masks import block_causal_mask, noisy_clean_mask, noisy_clean_position_ids
+from ebpo.model.masks import block_causal_mask, noisy_clean_mask, noisy_clean_position_ids
 from ebpo.model import BlockKVCache, LLaDA2MoeConfig, LLaDA2MoeModelLM, tiny_config
 
 

@@ -26,7 +26,7 @@ def test_mixed_model_answers_some_questions_bare_and_works_the_others(task):
     """Greedy Quality Mode on 60 held-out rows: tiny-sft-mixed (the RL quickstarts' start) mixes both styles,
     and its full answers (working shown; a `def`) are far more often right than its bare ones; tiny-sft
     (trained on full answers only) never answers bare."""
-    from ebpo.evaluation import evaluate_rows
+    from ebpo.sft.evaluation import evaluate_rows
 
     rows = [json.loads(line) for line in (ROOT / f"examples/data/{task}_eval.jsonl").read_text().splitlines()[:60]]
 

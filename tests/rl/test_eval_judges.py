@@ -1,9 +1,9 @@
 """Held-out correctness is decided by the judging rewards only; shaping rewards (judge: false) shape training."""
 import pytest
 
-from ebpo.config import build
-from ebpo.rl_config import RLConfig
-from ebpo.trainer import _solved
+from ebpo.infra.config import build
+from ebpo.rl.config import RLConfig
+from ebpo.rl.trainer import _solved
 
 
 def test_shaping_reward_does_not_decide_correctness():

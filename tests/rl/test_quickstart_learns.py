@@ -4,8 +4,8 @@ learns from the reward to show its working). Real Ray actors, the shipped model,
 import json
 from pathlib import Path
 
-from ebpo.config import load_config
-from ebpo.rl_config import RLConfig
+from ebpo.infra.config import load_config
+from ebpo.rl.config import RLConfig
 
 # The module-scoped local Ray of the RL tests.
 from test_trainer import ray, ray_local  # noqa: E402,F401
@@ -20,7 +20,7 @@ def test_three_quickstart_steps_teach_the_mixed_model_to_show_its_working(ray_lo
         f"trainer.run_dir={run_dir}", "trainer.steps=3", "trainer.eval_every=3", "trainer.eval_size=100",
         "trainer.dynamic_sampling=0", "trainer.tracking=none", "trainer.plots=false", "trainer.progress=false",
         "trainer.save_every=0"])
-    from ebpo.trainer import RLTrainer
+    from ebpo.rl.trainer import RLTrainer
 
     trainer = RLTrainer(cfg, "quickstart")
     try:

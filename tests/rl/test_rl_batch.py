@@ -1,6 +1,6 @@
 import torch
 
-from ebpo.rl_batch import build_learner_batch, filter_groups, reward_metrics, rollout_metrics, zero_std_groups
+from ebpo.rl.batch import build_learner_batch, filter_groups, reward_metrics, rollout_metrics, zero_std_groups
 
 
 def test_build_learner_batch_masks_only_response_tokens():
@@ -34,7 +34,7 @@ def test_rollout_metrics_clip_ratio_and_tpf():
 def test_first_groups_keeps_the_first_k_true_entries_like_a_loop():
     import torch
 
-    from ebpo.rl_batch import first_groups
+    from ebpo.rl.batch import first_groups
 
     g = torch.Generator().manual_seed(0)
     for _ in range(200):

@@ -7,8 +7,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ebpo.config import load_config  # noqa: E402
-from ebpo.rl_config import RLConfig  # noqa: E402
+from ebpo.infra.config import load_config  # noqa: E402
+from ebpo.rl.config import RLConfig  # noqa: E402
 
 DESIGN_METRICS = [
     "reward/mean", "reward/std", "reward/math/mean", "reward/timeouts", "reward/errors", "frac_zero_std_groups",
@@ -52,11 +52,11 @@ def make_cfg(tmp_path, data, run_dir, *extra):
 
 
 def read_metrics(run_dir):
-    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def train(cfg):
-    from ebpo.trainer import RLTrainer
+    from ebpo.rl.trainer import RLTrainer
 
     trainer = RLTrainer(cfg)
     try:
@@ -102,7 +102,7 @@ def test_resume_repeats_the_uninterrupted_run(ray_local, tmp_path, data):
 
 
 def test_killed_reward_actor_is_replaced_and_the_run_goes_on(ray_local, tmp_path, data):
-    from ebpo.trainer import RLTrainer
+    from ebpo.rl.trainer import RLTrainer
 
     trainer = RLTrainer(make_cfg(tmp_path, data, tmp_path / "k", "trainer.steps=2", "trainer.tracking=none",
                                  "data.eval=null"))
@@ -130,7 +130,7 @@ def test_custom_reward_file_is_called(ray_local, tmp_path, data):
                                 "ray.colocate=true", "name=colocated"))
     lines = calls.read_text().splitlines()
     assert len(lines) >= 6  # 2 prompts x 3 samples (+ the start-up dry run)
-    assert all(l.startswith("What is") for l in lines)
+    assert all(line.startswith("What is") for line in lines)
     assert history[0]["reward/mean"] == pytest.approx(0.25)
     # ray.colocate=true: rollout + learner ran in one STRICT_PACK placement group, released at close
     groups = [g for g in ray.util.placement_group_table().values() if g["name"] == "colocated-policy"]

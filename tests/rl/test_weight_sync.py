@@ -1,4 +1,4 @@
-"""Bucketed broadcast weight sync (`ebpo.weight_sync`, `ray.weight_sync=broadcast`): the bucket plan, a real
+"""Bucketed broadcast weight sync (`rollout.weight_sync`, `ray.weight_sync=broadcast`): the bucket plan, a real
 3-rank gloo group, and RL runs through real Ray actors on the tiny model (CPU only)."""
 import math
 import random
@@ -9,10 +9,10 @@ import weakref
 import pytest
 import torch
 
-from ebpo.config import ConfigError, load_config
-from ebpo.distributed import free_port
-from ebpo.rl_config import RLConfig
-from ebpo.weight_sync import (WeightBroadcastGroup, pack_bucket, plan_buckets, plan_from_json, plan_to_json,
+from ebpo.infra.config import ConfigError, load_config
+from ebpo.infra.distributed import free_port
+from ebpo.rl.config import RLConfig
+from rollout.weight_sync import (WeightBroadcastGroup, pack_bucket, plan_buckets, plan_from_json, plan_to_json,
                               state_dict_digest, unpack_bucket)
 
 # The end-to-end helpers and fixtures of the RL tests (a module-scoped local Ray, a tiny data set, the config).
@@ -233,7 +233,7 @@ def broadcast_trainer(tmp_path, data, name: str, *extra):
     """Two rollout workers (a 3-member group), 1 MiB buckets, one torch thread per actor (2 cores: three
     actors with 2 threads each slow every step several times over), and a reward that differs between
     samples, so the advantages are not all zero and every update really changes the policy."""
-    from ebpo.trainer import RLTrainer
+    from ebpo.rl.trainer import RLTrainer
 
     reward = tmp_path / "parity.py"
     reward.write_text("def score(*, completion, **_):\n    return float(len(completion) % 2)\n")

@@ -1,7 +1,7 @@
 """An independent, plain one-sequence, no-cache draft-and-edit decoder written from REFERENCE.md section 3.
 
 Deliberately naive: python lists, one full forward over the canvas per iteration with the block-causal
-mask of `ebpo.masks.block_causal_mask` (or, for an MBE pass, a mask built here with python loops),
+mask of `ebpo.model.masks.block_causal_mask` (or, for an MBE pass, a mask built here with python loops),
 per-position softmax/argmax. Greedy only. Returns the tokens plus the counts the decoder reports and a
 few statistics proving that the interesting branches (M2T fallback, T2T edits, MBE edits) were taken.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ebpo.masks import block_causal_mask
+from ebpo.model.masks import block_causal_mask
 
 
 def _eos_set(cfg):

@@ -191,3 +191,35 @@ def test_on_step_events_replay_the_canvas(model):
         for k, f in enumerate(o.trace):
             ev = mine[f]
             assert P + k in ev.filled or P + k in ev.edited
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_tensor_batch_with_padding_decodes_like_lists(model, side):
+    """A (B, L) tensor with an attention mask (left or right padding) decodes each row as the plain reference
+    decodes its unpadded prompt; pad ids that leak in would change the canvas and the tokens."""
+    cfg = DecodeConfig.preset("speed", max_new_tokens=10)
+    L, pad = max(len(p) for p in PROMPTS), 5
+    ids = torch.full((len(PROMPTS), L), pad, dtype=torch.long)
+    mask = torch.zeros(len(PROMPTS), L, dtype=torch.long)
+    for r, p in enumerate(PROMPTS):
+        cols = slice(L - len(p), L) if side == "left" else slice(0, len(p))
+        ids[r, cols], mask[r, cols] = torch.tensor(p), 1
+    outs = generate(model, ids, cfg, attention_mask=mask)
+    for p, o in zip(PROMPTS, outs):
+        ref, _ = reference_decode(model, p, 8, cfg.max_new_tokens, cfg.tau_mask, cfg.tau_edit, cfg.max_post_steps,
+                                  cfg.num_to_transfer, cfg.repetition_penalty, cfg.mbe_window, cfg.mbe_tau,
+                                  cfg.mbe_max_passes, cfg.stop_at_eos)
+        assert o.prompt_ids == p and o.token_ids == ref
+
+
+def test_tensor_batch_without_mask_and_bad_shapes(model):
+    cfg = DecodeConfig.preset("quality", max_new_tokens=4)
+    ids = torch.tensor([PROMPTS[1], PROMPTS[1]])
+    outs = generate(model, ids, cfg)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in generate(model, [PROMPTS[1]] * 2, cfg)]
+    with pytest.raises(ValueError, match="2-D"):
+        generate(model, ids[0], cfg)
+    with pytest.raises(ValueError, match="must match"):
+        generate(model, ids, cfg, attention_mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="only accepted with a 2-D tensor"):
+        generate(model, [PROMPTS[1]], cfg, attention_mask=torch.ones(1, 8))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ebpo.model.loading import load_model
-from ebpo.weight_sync import pack_bucket, plan_buckets, unpack_bucket
+from rollout.weight_sync import pack_bucket, plan_buckets, unpack_bucket
 from kernels.fp8 import convert_model_to_fp8, requantize_model_
 from rollout.weight_loading import StreamingWeightLoader
 

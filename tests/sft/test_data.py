@@ -1,10 +1,9 @@
-"""ebpo.data: row loading with file:line errors, SFT encoding, CPT packing, collation, resumable sampler."""
+"""ebpo.infra.data: row loading with file:line errors, SFT encoding, CPT packing, collation, resumable sampler."""
 import json
 
 import pytest
-import torch
 
-from ebpo.data import DataError, EpochSampler, collate, encode_prompt, encode_sft, load_rows, pack_documents
+from ebpo.infra.data import DataError, EpochSampler, collate, encode_prompt, encode_sft, load_rows, pack_documents
 from ebpo.model.tokenizer import load_tokenizer
 
 

@@ -1,8 +1,8 @@
-"""ebpo.evaluation: task inference, balanced subsets, scoring with the rewards, decoding through rollout."""
+"""ebpo.sft.evaluation: task inference, balanced subsets, scoring with the rewards, decoding through rollout."""
 import pytest
 import torch
 
-from ebpo.evaluation import EvalResult, balanced_subset, boxed_answer, score_rows, task_of
+from ebpo.sft.evaluation import EvalResult, balanced_subset, boxed_answer, score_rows, task_of
 
 
 def test_task_of_and_balanced_subset():
@@ -37,8 +37,8 @@ def test_eval_result_metrics():
 
 
 def test_evaluate_rows_runs_the_decoder():
-    rollout = pytest.importorskip("rollout")
-    from ebpo.evaluation import decode_config, evaluate_rows
+    pytest.importorskip("rollout")
+    from ebpo.sft.evaluation import decode_config, evaluate_rows
     from ebpo.model import LLaDA2MoeModelLM, tiny_config
     from ebpo.model.tokenizer import load_tokenizer
 

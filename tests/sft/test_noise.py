@@ -1,8 +1,8 @@
-"""ebpo.noise: masking rates, prompt protection, T2T substitution rules (checked against plain counting)."""
+"""ebpo.core.noise: masking rates, prompt protection, T2T substitution rules (checked against plain counting)."""
 import pytest
 import torch
 
-from ebpo.noise import m2t_mask, make_noisy, stratified_levels, substitution_ids, t2t_substitute
+from ebpo.core.noise import m2t_mask, make_noisy, stratified_levels, substitution_ids, t2t_substitute
 
 
 def test_stratified_levels_one_per_stratum():

@@ -1,10 +1,10 @@
-"""ebpo.objectives: the vectorized [noisy ; clean] loss equals a per-block loop; MTF uses the model's own drafts."""
+"""ebpo.core.objectives: the vectorized [noisy ; clean] loss equals a per-block loop; MTF uses the model's own drafts."""
 import torch
 import torch.nn.functional as F
 
 from ebpo.model import LLaDA2MoeModelLM, tiny_config
-from ebpo.noise import make_noisy, substitution_ids
-from ebpo.objectives import ObjectiveConfig, mixture_loss, noisy_half_hidden
+from ebpo.core.noise import make_noisy, substitution_ids
+from ebpo.core.objectives import ObjectiveConfig, mixture_loss, noisy_half_hidden
 
 K = 4
 

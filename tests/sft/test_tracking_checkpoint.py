@@ -1,4 +1,4 @@
-"""ebpo.tracking (JSONL) and ebpo.checkpoint (layout, latest pointer, keep-last, RNG round trip)."""
+"""ebpo.infra.tracking (JSONL) and ebpo.infra.checkpoint (layout, latest pointer, keep-last, RNG round trip)."""
 import json
 import random
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from ebpo.checkpoint import capture_rng, load_latest, load_training_state, restore_rng, save_checkpoint
-from ebpo.tracking import Tracker
+from ebpo.infra.checkpoint import capture_rng, load_latest, load_training_state, restore_rng, save_checkpoint
+from ebpo.infra.tracking import Tracker
 
 
 def test_tracker_jsonl_and_tables(tmp_path):

@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ebpo.config import ConfigError, load_config
-from ebpo.sft import run, warmup_cosine
-from ebpo.sft_config import SFTConfig
+from ebpo.infra.config import ConfigError, load_config
+from ebpo.sft.trainer import run, warmup_cosine
+from ebpo.sft.config import SFTConfig
 
 MODEL = "preset:tiny@0"
 
@@ -93,7 +93,7 @@ def test_config_errors_name_the_key(data, tmp_path):
         load_config(SFTConfig, None, ["optim.lrr=1"])
     with pytest.raises(ConfigError, match="trainer.steps"):
         load_config(SFTConfig, None, ["trainer.steps=0"])
-    from ebpo.train_cli import main
+    from ebpo.cli.train import main
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("kind: sft\nobjective:\n  mtf_fraction: 2\n")

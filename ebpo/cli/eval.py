@@ -14,7 +14,7 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from .evaluation import PRESETS
+    from ebpo.sft.evaluation import PRESETS
 
     ap = argparse.ArgumentParser(prog="ebpo eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-sft", help="folder, tiny-sft, or preset:NAME[@seed]")
@@ -35,9 +35,9 @@ def main(argv: list[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .data import DataError, load_rows
-    from .evaluation import evaluate_rows
-    from .model.loading import load_model, load_model_tokenizer
+    from ebpo.infra.data import DataError, load_rows
+    from ebpo.sft.evaluation import evaluate_rows
+    from ebpo.model.loading import load_model, load_model_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

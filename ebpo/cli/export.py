@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--step", type=int, default=None)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
     args = parser.parse_args(argv)
-    from .model.loading import load_model, load_model_tokenizer
+    from ebpo.model.loading import load_model, load_model_tokenizer
 
     try:
         src = model_folder(find_checkpoint(args.run_dir, args.step))

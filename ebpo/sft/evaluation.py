@@ -22,7 +22,7 @@ import torch
 
 from rewards.format_reward import last_boxed as boxed_answer  # noqa: F401 (re-exported)
 
-from .data import encode_prompt
+from ebpo.infra.data import encode_prompt
 
 # name -> (decoder preset, overrides). `speed_noedit` keeps Speedy Mode's unmasking threshold and
 # post-step budget but never edits a committed token.

@@ -1,8 +1,7 @@
 """Typed configuration of an RL (EBPO) recipe: `ebpo train recipes/rl_*.yaml key=value ...`.
 
-Sections: `model`, `data`, `rollout`, `reward`, `learner` (fields of `ebpo.learner.LearnerConfig`),
-`trainer`, `ray`. Run `python -c "from ebpo.rl_config import RLConfig; from ebpo.config import describe;
-print('\\n'.join(describe(RLConfig)))"` for every key with its documentation.
+Sections: `model`, `data`, `rollout`, `reward`, `learner` (fields of `ebpo.rl.learner.LearnerConfig`),
+`trainer`, `ray`. `ebpo train RECIPE.yaml --help` lists every key with its documentation (`describe_keys`).
 """
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
-from .config import doc
+from ebpo.infra.config import build, describe, doc
 
 
 @dataclass
@@ -147,6 +146,27 @@ class RLConfig:
     data: DataConfig = doc("prompts", default_factory=DataConfig)
     rollout: RolloutConfig = doc("rollout workers and decoding", default_factory=RolloutConfig)
     reward: RewardConfig = doc("reward functions and workers", default_factory=RewardConfig)
-    learner: dict = doc("fields of ebpo.learner.LearnerConfig (validated at start-up)", default_factory=dict)
+    learner: dict = doc("fields of ebpo.rl.learner.LearnerConfig (validated at start-up)", default_factory=dict)
     trainer: TrainerConfig = doc("loop, evaluation, checkpoints, tracking", default_factory=TrainerConfig)
     ray: RayConfig = doc("cluster and resources", default_factory=RayConfig)
+
+    def learner_config(self):
+        """The `learner` section as a checked `LearnerConfig`: the recipe's fields over defaults derived from
+        the trainer (`total_steps` = trainer.steps, `seed` = trainer.seed). Raises ConfigError naming the key."""
+        from ebpo.rl.learner import LearnerConfig
+
+        return build(LearnerConfig, {"total_steps": self.trainer.steps, "seed": self.trainer.seed, **self.learner},
+                     "learner.")
+
+    def resolved(self) -> dict:
+        """The configuration as a plain dict with the learner section filled in (what `--print-config` shows)."""
+        from dataclasses import asdict
+
+        return {**asdict(self), "learner": asdict(self.learner_config())}
+
+    @staticmethod
+    def describe_keys() -> list[str]:
+        """Every key of an RL recipe, `learner.*` included: `dotted.key (type, default): documentation`."""
+        from ebpo.rl.learner import LearnerConfig
+
+        return describe(RLConfig) + describe(LearnerConfig, "learner.")

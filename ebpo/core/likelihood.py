@@ -4,7 +4,7 @@ Layout (REFERENCE.md sections 2, 5, 10). A sequence `x` of length L = prompt + r
 is cut into blocks of K tokens by absolute position (`block = position // K`; the prompt's last partial
 block is part of that block). A *noisy copy* replaces some response tokens by the mask token; prompt,
 padding and unmasked response tokens stay as they are. One forward over `[noisy ; clean]` with the
-training mask of `ebpo.masks` scores every block at once: noisy block b sees itself and clean blocks < b.
+training mask of `ebpo.model.masks` scores every block at once: noisy block b sees itself and clean blocks < b.
 The packed form `[noisy_1 .. noisy_S ; clean]` shares one clean copy among S draws ((S+1)L tokens
 instead of 2SL) and gives the same log-probabilities.
 
@@ -35,8 +35,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .masks import block_causal_mask, noisy_clean_position_ids, packed_noisy_clean_mask
-from .model.cache import BlockKVCache
+from ebpo.model.masks import block_causal_mask, noisy_clean_position_ids, packed_noisy_clean_mask
+from ebpo.model.cache import BlockKVCache
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def composite_logprobs(model, input_ids: torch.Tensor, noise: NoiseDraws, draws:
 
     input_ids (B, L) long (clean sequences); noise: `NoiseDraws` of these B sequences.
     packed=False: batch (S*B, 2L) of `[noisy_s ; clean]`; packed=True: (B, (S+1)L) `[noisy_1..noisy_S ; clean]`.
-    Both use the masks of `ebpo.masks` and position ids 0..L-1 per copy. Gradient flows if enabled.
+    Both use the masks of `ebpo.model.masks` and position ids 0..L-1 per copy. Gradient flows if enabled.
     return_blocks=True also returns per-block contributions (B, S, nb) whose sum over blocks is C.
     """
     B, L = input_ids.shape

@@ -163,14 +163,6 @@ def node_ip() -> str:
     return "127.0.0.1"
 
 
-def learner_endpoint() -> tuple[str, int]:
-    """(address, port) for the group's TCPStore, which the learner (rank 0) will host. The port is checked
-    on 0.0.0.0 because the store listens on every interface, not only on the address the others dial."""
-    from .distributed import free_port
-
-    return node_ip(), free_port("0.0.0.0")
-
-
 def _process_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,
                    device: torch.device, local_addr: str) -> "Backend":
     """A standalone backend (never the default group, which DeepSpeed may own): NCCL for CUDA, else gloo."""

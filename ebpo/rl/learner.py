@@ -22,10 +22,10 @@ from typing import Literal, Optional
 
 import torch
 
-from .algos import KL_ESTIMATORS, ebpo_loss
-from .config import doc
-from .distributed import init_distributed
-from .likelihood import all_composites, direct_backward, draw_noise, replay_backward, response_mask_from_ids
+from ebpo.core.algos import KL_ESTIMATORS, ebpo_loss
+from ebpo.infra.config import doc
+from ebpo.infra.distributed import init_distributed
+from ebpo.core.likelihood import all_composites, direct_backward, draw_noise, replay_backward, response_mask_from_ids
 
 LORA_TARGETS = ["query_key_value", "dense", "gate_proj", "up_proj", "down_proj"]
 
@@ -145,7 +145,7 @@ class EBPOLearner:
         cfg.validate()
         self.cfg = cfg
         if isinstance(model_or_path, str):
-            from .model.loading import load_model
+            from ebpo.model.loading import load_model
 
             model_or_path = load_model(model_or_path)
         base = model_or_path

@@ -1,16 +1,15 @@
 """Typed configuration of a CPT/SFT recipe: `ebpo train recipes/{sft,cpt}_*.yaml key=value ...`.
 
-Sections: `model`, `data`, `objective` (`ebpo.objectives.ObjectiveConfig`), `optim`, `lora`, `eval`,
-`trainer`. Every key with its documentation:
-    python -c "from ebpo.sft_config import SFTConfig; from ebpo.config import describe; print('\\n'.join(describe(SFTConfig)))"
+Sections: `model`, `data`, `objective` (`ebpo.core.objectives.ObjectiveConfig`), `optim`, `lora`, `eval`,
+`trainer`. `ebpo train recipes/sft_tiny.yaml --help` lists every key with its documentation.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
-from .config import doc
-from .objectives import ObjectiveConfig
+from ebpo.infra.config import doc
+from ebpo.core.objectives import ObjectiveConfig
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 `ray.weight_sync=object_store`: the learner's state dict goes into the Ray object store once and every
 rollout worker loads it. `ray.weight_sync=broadcast`: a bucketed broadcast over a standalone gloo/NCCL
-group (`ebpo.weight_sync`) with the learner as rank 0; a worker restarted since the group was formed,
+group (`rollout.weight_sync`) with the learner as rank 0; a worker restarted since the group was formed,
 a failed broadcast or a group that cannot form makes that sync use the object store and re-forms the
 group, and after `MAX_BROADCAST_FAILURES` failures in a row the run stays on the object store.
 """
@@ -24,7 +24,7 @@ class WeightSyncDriver:
     ray: the `ray` module. ray_cfg: the recipe's `ray` section (`weight_sync`, `bucket_mb`, `sync_timeout_s`,
     `learner_gpus`, `rollout_gpus`). event: logs one line to the run's event list.
     `attach(learner, rollout_workers)` must be called once the actors exist (workers are
-    `ebpo.actors.ResilientActor`s, the learner a `LearnerActor` handle)."""
+    `ebpo.rl.actors.ResilientActor`s, the learner a `LearnerActor` handle)."""
 
     MAX_BROADCAST_FAILURES = 3  # broadcast failures in a row before the run stays on the object store
 

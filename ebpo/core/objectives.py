@@ -1,7 +1,7 @@
 """CPT/SFT objectives for block diffusion: the M2T + T2T mixture, Multi-Turn Forward, vectorized blocks.
 
 Layout (REFERENCE.md section 2): one forward over `[noisy ; clean]` (length 2L) with the keep-mask
-`ebpo.masks.noisy_clean_mask(L, K)` and position ids `[0..L-1 ; 0..L-1]`. Noisy block b sees itself and
+`ebpo.model.masks.noisy_clean_mask(L, K)` and position ids `[0..L-1 ; 0..L-1]`. Noisy block b sees itself and
 the clean blocks before it, so every block's denoising loss comes out of one forward; the loss is read
 only on the noisy half. Right padding needs no mask: padding sits in blocks after every real token and
 block-causal attention never lets an earlier block see a later one.
@@ -32,9 +32,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .config import doc
-from .masks import noisy_clean_mask, noisy_clean_position_ids
-from .noise import NoisyBatch
+from ebpo.core.fields import doc
+from ebpo.model.masks import noisy_clean_mask, noisy_clean_position_ids
+from ebpo.core.noise import NoisyBatch
 
 
 @dataclass

@@ -3,10 +3,10 @@
 One optimizer step, as data:
     rows -> token examples (chat template + response + EOS for SFT, packed documents for CPT)
       -> collate (right-pad to whole blocks; response mask)
-      -> noise (stratified t, M2T masks, T2T substitutions)            ebpo.noise
-      -> [noisy ; clean] forward, mixture loss (+ MTF second pass)     ebpo.objectives
+      -> noise (stratified t, M2T masks, T2T substitutions)            ebpo.core.noise
+      -> [noisy ; clean] forward, mixture loss (+ MTF second pass)     ebpo.core.objectives
       -> backward (x grad_accum), clip, AdamW, warmup + cosine
-      -> metrics (JSONL + W&B), periodic held-out eval, checkpoints    ebpo.tracking / evaluation / checkpoint
+      -> metrics (JSONL + W&B), periodic held-out eval, checkpoints    ebpo.infra.tracking / evaluation / checkpoint
 """
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_latest, load_training_state, save_checkpoint
-from .config import load_config, save_config, to_dict
-from .data import EpochSampler, collate, encode_sft, load_rows, pack_documents
-from .distributed import init_distributed
-from .noise import make_noisy, substitution_ids
-from .objectives import mixture_loss
-from .sft_config import SFTConfig
+from ebpo.infra.checkpoint import load_latest, load_training_state, save_checkpoint
+from ebpo.infra.config import load_config, save_config, to_dict
+from ebpo.infra.data import EpochSampler, collate, encode_sft, load_rows, pack_documents
+from ebpo.infra.distributed import init_distributed
+from ebpo.core.noise import make_noisy, substitution_ids
+from ebpo.core.objectives import mixture_loss
+from ebpo.sft.config import SFTConfig
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -45,8 +45,8 @@ def build_examples(cfg: SFTConfig, tokenizer, rows: list[dict]) -> list[tuple[li
 
 class SFTTrainer:
     def __init__(self, cfg: SFTConfig):
-        from .model.loading import load_model, load_model_tokenizer
-        from .tracking import Tracker
+        from ebpo.model.loading import load_model, load_model_tokenizer
+        from ebpo.infra.tracking import Tracker
 
         self.cfg = cfg
         tc = cfg.trainer
@@ -63,7 +63,7 @@ class SFTTrainer:
         self.examples = build_examples(cfg, self.tokenizer, load_rows(cfg.data.train, required))
         self.eval_rows = load_rows(cfg.data.eval) if cfg.data.eval else []
         if cfg.eval.size and self.eval_rows:
-            from .evaluation import balanced_subset
+            from ebpo.sft.evaluation import balanced_subset
 
             self.eval_rows = balanced_subset(self.eval_rows, cfg.eval.size)  # every task represented
         self.sampler = EpochSampler(len(self.examples), tc.seed, cfg.data.shuffle)
@@ -150,7 +150,7 @@ class SFTTrainer:
         if (path / "weights.pt").exists():  # LoRA: the adapter (and the frozen base it sits on)
             self.model.load_state_dict(torch.load(path / "weights.pt", weights_only=True))
         else:
-            from .model.loading import load_model
+            from ebpo.model.loading import load_model
 
             self.base.load_state_dict(load_model(str(path / "model"), dtype=next(self.base.parameters()).dtype).state_dict())
 
@@ -241,7 +241,7 @@ class SFTTrainer:
         if not self.eval_rows or not self.cfg.eval.presets or self.cfg.kind == "cpt":
             return metrics
         try:
-            from .evaluation import evaluate_rows
+            from ebpo.sft.evaluation import evaluate_rows
         except ImportError as e:  # the decoder package is optional for training
             print(f"[sft] held-out decoding skipped: {e}")
             return metrics
@@ -335,7 +335,7 @@ class SFTTrainer:
 
     def close(self) -> None:
         if self.cfg.trainer.plots and (self.run_dir / "metrics.jsonl").exists():
-            from .plots import plot_run
+            from ebpo.infra.plots import plot_run
 
             plot_run(self.run_dir, PLOTS)
         self.tracker.finish()

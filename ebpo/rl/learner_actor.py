@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from .config import build
+from ebpo.infra.config import build
 
 
 class LearnerActor:
@@ -15,8 +15,8 @@ class LearnerActor:
 
     def __init__(self, model_spec: str, learner_fields: dict, num_threads: int = 0):
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
-        from .learner import EBPOLearner, LearnerConfig
-        from .model.loading import load_model
+        from ebpo.rl.learner import EBPOLearner, LearnerConfig
+        from ebpo.model.loading import load_model
 
         self.learner = EBPOLearner(load_model(model_spec), build(LearnerConfig, learner_fields, "learner."))
         self.sync_group = None  # WeightBroadcastGroup (rank 0) with ray.weight_sync=broadcast
@@ -28,21 +28,23 @@ class LearnerActor:
         return self.learner.state_dict_for_sync()
 
     def weights_digest(self) -> dict:
-        """SHA-256 and counts of `state_dict_for_sync()` (see `ebpo.weight_sync.state_dict_digest`)."""
-        from .weight_sync import state_dict_digest
+        """SHA-256 and counts of `state_dict_for_sync()` (see `rollout.weight_sync.state_dict_digest`)."""
+        from rollout.weight_sync import state_dict_digest
 
         return state_dict_digest(self.learner.state_dict_for_sync())
 
     # Broadcast weight sync (ray.weight_sync=broadcast): the learner is rank 0 and hosts the group's store.
     def sync_endpoint(self) -> tuple[str, int]:
         """(node IP, free port) on which `join_sync_group` will host the group's TCPStore."""
-        from .weight_sync import learner_endpoint
+        # The port is checked on 0.0.0.0: the store listens on every interface, not only the one dialled.
+        from ebpo.infra.distributed import free_port
+        from rollout.weight_sync import node_ip
 
-        return learner_endpoint()
+        return node_ip(), free_port("0.0.0.0")
 
     def join_sync_group(self, addr: str, port: int, world_size: int, timeout_s: float, device: str = "cpu") -> None:
         """Form the group as rank 0; blocks until all `world_size` members join (up to `timeout_s`)."""
-        from .weight_sync import WeightBroadcastGroup
+        from rollout.weight_sync import WeightBroadcastGroup
 
         self.close_sync_group()
         self.sync_group = WeightBroadcastGroup(addr, port, 0, world_size, timeout_s=timeout_s, device=device)

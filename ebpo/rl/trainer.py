@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from .config import build, load_config, save_config, to_dict
-from .learner_actor import LearnerActor
-from .rl_batch import (build_learner_batch, filter_groups, first_groups, reward_metrics, rollout_metrics,
+from ebpo.infra.config import load_config, save_config, to_dict
+from ebpo.rl.learner_actor import LearnerActor
+from ebpo.rl.batch import (build_learner_batch, filter_groups, first_groups, reward_metrics, rollout_metrics,
                        zero_std_groups)
-from .rl_config import RLConfig
-from .sync_driver import WeightSyncDriver
+from ebpo.rl.config import RLConfig
+from ebpo.rl.sync_driver import WeightSyncDriver
 
 log = logging.getLogger("ebpo")
 
@@ -94,10 +94,9 @@ class RLTrainer:
 
         from rewards import RewardWorker
 
-        from .data import load_rows
-        from .learner import LearnerConfig
-        from .model.loading import load_model_tokenizer, resolve_model_path
-        from .tracking import Tracker
+        from ebpo.infra.data import load_rows
+        from ebpo.model.loading import load_model_tokenizer, resolve_model_path
+        from ebpo.infra.tracking import Tracker
 
         self.cfg = cfg
         self.ray = ray
@@ -106,8 +105,7 @@ class RLTrainer:
         self.run_dir = self.resume_dir or Path(tc.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
-        learner_fields = {"total_steps": tc.steps, "seed": tc.seed, **cfg.learner}
-        self.learner_cfg = build(LearnerConfig, learner_fields, "learner.")  # fail now, not inside an actor
+        self.learner_cfg = cfg.learner_config()  # fail now, not inside an actor
         self.model_spec = resolve_model_path(cfg.model)
         self.tokenizer = load_model_tokenizer(self.model_spec)
         self.train_rows = load_rows(cfg.data.train)
@@ -145,7 +143,7 @@ class RLTrainer:
 
         from rollout.worker import RolloutWorker
 
-        from .actors import ResilientActor
+        from ebpo.rl.actors import ResilientActor
 
         cfg, ray = self.cfg, self.ray
         decode = {"preset": cfg.rollout.preset, **cfg.rollout.decode}
@@ -178,7 +176,7 @@ class RLTrainer:
         """index -> actor options. With `ray.colocate`, one STRICT_PACK placement group holds a bundle per
         rollout worker (0..n-1) and one for the learner (n), so they share a node (and its GPUs); a restarted
         rollout worker returns to its own bundle. Otherwise Ray's default scheduler places each actor."""
-        cfg, ray = self.cfg, self.ray
+        cfg = self.cfg
         if not cfg.ray.colocate:
             return lambda i: {}
         from ray.util.placement_group import placement_group
@@ -215,7 +213,7 @@ class RLTrainer:
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None) -> list[dict]:
         """Spread prompts over the rollout workers, in order; a dead worker is restarted and its share retried."""
-        from .actors import split_evenly
+        from ebpo.rl.actors import split_evenly
 
         chunks = split_evenly(list(zip(prompt_ids, seeds)), len(self.rollout_workers))
         tickets = [w.submit("generate", [p for p, _ in c], [s for _, s in c], decode)
@@ -224,7 +222,7 @@ class RLTrainer:
 
     def score(self, samples: list[dict]) -> list[dict]:
         """Spread samples over the reward actors; each scores within its hard per-call timeout."""
-        from .actors import split_evenly
+        from ebpo.rl.actors import split_evenly
 
         chunks = split_evenly(samples, len(self.reward_workers))
         tickets = [w.submit("score", c) for w, c in zip(self.reward_workers, chunks) if c]
@@ -265,7 +263,7 @@ class RLTrainer:
             if not cfg.trainer.dynamic_sampling or int((~zero_std_groups(scores, group_ids)).sum()) >= P:
                 break
 
-        from .algos import compute_advantages
+        from ebpo.core.algos import compute_advantages
 
         advantages = compute_advantages(scores, group_ids, method=cfg.trainer.advantage,
                                         std_normalize=cfg.trainer.advantage_std)
@@ -383,7 +381,7 @@ class RLTrainer:
         """Plots, W&B finish, then the actors and the placement group are released (the Ray instance stays)."""
         try:
             if self.cfg.trainer.plots:
-                from .plots import plot_run
+                from ebpo.infra.plots import plot_run
 
                 plot_run(self.run_dir)
             self.tracker.finish()

@@ -17,19 +17,11 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from ebpo.core.fields import doc  # noqa: F401 (re-exported: the config sections use it)
+
 
 class ConfigError(ValueError):
     """A recipe or override is invalid; the message names the dotted key."""
-
-
-def doc(help: str, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING):
-    """A dataclass field with its documentation attached (shown by `describe`)."""
-    kwargs = {"metadata": {"help": help}}
-    if default is not dataclasses.MISSING:
-        kwargs["default"] = default
-    if default_factory is not dataclasses.MISSING:
-        kwargs["default_factory"] = default_factory
-    return dataclasses.field(**kwargs)
 
 
 def parse_overrides(overrides: list[str]) -> dict:

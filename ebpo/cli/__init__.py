@@ -1,0 +1,71 @@
+"""The `ebpo` command line (argparse sub-commands).
+
+    ebpo train RECIPE.yaml [key=value ...]   CPT / SFT / RL training, chosen by the recipe's `kind`
+    ebpo generate ...                        draft-and-edit decoding (rollout.cli)
+    ebpo eval ...                            held-out accuracy of a checkpoint
+    ebpo export RUN_DIR OUT_DIR              write a Hugging Face folder
+    ebpo bench NAME [...]                    benchmarks: decode, likelihood, rewards, kernels
+
+The top-level parser picks the command; each command's own argparse parser, in the module that owns the
+feature, parses the rest (so `ebpo <command> --help` is that parser's help and the CLI never grows into a
+second copy of the library). Modules are imported only when their command runs: `ebpo --help` is instant.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> ("module:function", one-line help); the function takes the remaining argv, returns an exit code.
+COMMANDS = {
+    "train": ("ebpo.cli.train:main", "CPT / SFT / RL training from a YAML recipe with key=value overrides"),
+    "generate": ("rollout.cli:main", "draft-and-edit decoding of prompts (Quality / Speedy / M2T modes)"),
+    "eval": ("ebpo.cli.eval:main", "held-out accuracy and tokens per forward of a model, per decode preset"),
+    "export": ("ebpo.cli.export:main", "write a run's checkpoint as a Hugging Face model folder"),
+    "bench": (None, "benchmarks that print a table and can write JSON"),
+}
+
+BENCHMARKS = {
+    "decode": ("ebpo.bench.decode:main", "decoder: batch and KV-cache speed-ups"),
+    "likelihood": ("ebpo.bench.likelihood:main", "vectorized block likelihood vs a per-block loop; replay memory"),
+    "rewards": ("ebpo.bench.rewards:main", "math answers/s, sandboxed code executions/s, hang overhead"),
+    "kernels": ("ebpo.bench.kernels:main", "FP8 GEMM, fused decode step, chunked log-probs (GPU or CPU)"),
+}
+
+
+def _resolve(target: str):
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _add_commands(parser: argparse.ArgumentParser, table: dict, dest: str) -> dict:
+    """One sub-parser per entry of `table`; returns them by name."""
+    sub = parser.add_subparsers(dest=dest, metavar="{" + ",".join(table) + "}", required=True)
+    # add_help=False: `--help` after a command goes on to that command's own parser.
+    return {name: sub.add_parser(name, help=help_text, description=help_text, add_help=False)
+            for name, (_, help_text) in table.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: `ebpo {train,generate,eval,export,bench} ...`; `ebpo bench NAME ...`."""
+    parser = argparse.ArgumentParser(
+        prog="ebpo", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="RL post-training (EBPO) for LLaDA2.x block-diffusion language models.",
+        epilog="`ebpo COMMAND --help` describes a command; `ebpo train RECIPE.yaml --help` lists the recipe's keys.")
+    bench = _add_commands(parser, COMMANDS, "command")["bench"]
+    bench.add_argument("-h", "--help", action="help", help="show this help message and exit")
+    _add_commands(bench, BENCHMARKS, "benchmark")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `ebpo` with `argv` (default: sys.argv[1:]); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, rest = build_parser().parse_known_args(argv)
+    if args.command == "bench":
+        return int(_resolve(BENCHMARKS[args.benchmark][0])(rest) or 0)
+    return int(_resolve(COMMANDS[args.command][0])(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
