@@ -1,6 +1,6 @@
 """Fused decode step: each position's candidate token and its probability from the active block's logits.
 
-`candidates(logits (B, K, V), ...)` implements step 1 of draft-and-edit decoding (REFERENCE.md section 3):
+`candidates(logits (B, K, V), ...)` implements step 1 of draft-and-edit decoding (docs/background.md section 3):
   - temperature == 0: tok = argmax(logits), prob = softmax(logits)[tok];
   - temperature > 0:  tok ~ softmax(filter(logits) / T) by Gumbel-max with fp32 noise (never bf16), row b
     drawing its noise from generators[b] only, and prob = that filtered, tempered probability of tok;

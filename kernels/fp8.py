@@ -3,7 +3,7 @@
     model = convert_model_to_fp8(model)          # nn.Linear -> FP8Linear, stacked MoE experts -> FP8Experts
     requantize_model_(model, learner_state_dict)  # after every weight sync: re-quantise in place
 
-Kept in bf16/fp32 (REFERENCE.md section 10): embeddings, LM head, the MoE router (`mlp.gate`), norms and
+Kept in bf16/fp32 (docs/background.md section 8): embeddings, LM head, the MoE router (`mlp.gate`), norms and
 attention math. The quantisation ops themselves live in `kernels.fp8_ops` and are re-exported here.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`DecodeConfig`: every knob of draft-and-edit decoding, with named presets and validation.
 
-The presets are the operating points of REFERENCE.md section 3:
+The presets are the operating points of docs/background.md section 3:
 
     quality  tau_mask 0.7,  tau_edit 0.5,  max_post_steps 16   (LLaDA2.1 Q Mode)
     speed    tau_mask 0.5,  tau_edit 0.0,  max_post_steps 16   (LLaDA2.1 S Mode: edit whenever the model disagrees)

@@ -2,7 +2,7 @@
 
 `candidates` uses the fused `kernels.decode.candidates` when that package imports and falls back to
 `candidates_reference`, a plain-torch version kept here so the decoder works without `kernels`.
-Semantics (REFERENCE.md section 3, step 1), identical in both:
+Semantics (docs/background.md section 3, step 1), identical in both:
 
 - penalty first: subtract `penalty` from the logit of token suppress[b, k] at position (b, k);
 - temperature 0: tok = argmax, prob = softmax(logits)[tok];

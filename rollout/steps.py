@@ -1,4 +1,4 @@
-"""Pure, batched step functions of draft-and-edit decoding (REFERENCE.md section 3). No model calls.
+"""Pure, batched step functions of draft-and-edit decoding (docs/background.md section 3). No model calls.
 
 All tensors are per active block: (B, K) for B sequences and block size K. `cur` holds the block's
 tokens at the start of the iteration, `tok`/`prob` the candidates of this iteration's forward,
@@ -62,7 +62,7 @@ def block_step(tok: torch.Tensor, prob: torch.Tensor, cur: torch.Tensor, protect
 
 def block_done(res: StepResult, post_steps: torch.Tensor, block_iters: torch.Tensor, max_post_steps: int,
                block_cap: int, editing: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-end rule (REFERENCE.md section 3, step 5). Returns (done (B,) bool, post_steps (B,) long).
+    """Block-end rule (docs/background.md section 3, step 5). Returns (done (B,) bool, post_steps (B,) long).
 
     post_steps / block_iters: (B,) long counts *including* this iteration's forward in block_iters.
     An iteration that starts with no masks is a post-step. The block ends when

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-# LLaDA2.1-mini (REFERENCE.md section 1): (name, N out, K in)
+# LLaDA2.1-mini (docs/background.md section 1): (name, N out, K in)
 MINI_GEMMS = [("qkv 2048->3072", 3072, 2048), ("dense 2048->2048", 2048, 2048), ("ffn up 2048->5120", 5120, 2048),
               ("ffn down 5120->2048", 2048, 5120), ("expert up 2048->512", 512, 2048),
               ("expert down 512->2048", 2048, 512)]

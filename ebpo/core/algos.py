@@ -1,7 +1,7 @@
 """Pure functions of the EBPO update: advantages, log-ratio, log-space clipped surrogate, KL estimators.
 
 All tensors are per sequence; groups are the prompt groups of GRPO (samples of one prompt share a
-`group_id`), never the device batch (REFERENCE.md section 7). No randomness, no state.
+`group_id`), never the device batch (docs/background.md section 7). No randomness, no state.
 """
 from __future__ import annotations
 

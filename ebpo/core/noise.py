@@ -11,7 +11,7 @@ Shapes: `B` examples of length `L`. `response_mask` (B, L) bool marks the positi
   carries no signal).
 * T2T (token-to-token): a fraction `rate` of the response tokens that stayed visible is replaced by a
   token drawn uniformly from `allowed_ids` and always different from the original, so the model sees
-  plausible-looking wrong tokens and must restore them (REFERENCE.md section 4: rates are ours to choose).
+  plausible-looking wrong tokens and must restore them (docs/background.md section 4: rates are ours to choose).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """CPT/SFT objectives for block diffusion: the M2T + T2T mixture, Multi-Turn Forward, vectorized blocks.
 
-Layout (REFERENCE.md section 2): one forward over `[noisy ; clean]` (length 2L) with the keep-mask
+Layout (docs/background.md section 2): one forward over `[noisy ; clean]` (length 2L) with the keep-mask
 `ebpo.model.masks.noisy_clean_mask(L, K)` and position ids `[0..L-1 ; 0..L-1]`. Noisy block b sees itself and
 the clean blocks before it, so every block's denoising loss comes out of one forward; the loss is read
 only on the noisy half. Right padding needs no mask: padding sits in blocks after every real token and

@@ -96,7 +96,7 @@ class LLaDA2MoeConfig(PretrainedConfig):
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first inconsistent field (REFERENCE.md section 1 constraints)."""
+        """Raise ValueError naming the first inconsistent field (docs/background.md section 1 constraints)."""
 
         def need(cond: bool, field: str, msg: str) -> None:
             if not cond:

@@ -2,9 +2,9 @@
 
 Convention everywhere in ebpo: a mask is a `torch.bool` tensor where **True means "may attend"**.
 Models convert it once (in `ebpo.model`) to whatever the attention kernel wants; nothing else in the
-project builds additive 0/-inf masks (REFERENCE.md section 1 describes the bug that mixing the two causes).
+project builds additive 0/-inf masks (docs/background.md section 1 describes the bug that mixing the two causes).
 
-Block causality (REFERENCE.md section 2): token i may attend token j iff block(j) <= block(i), where
+Block causality (docs/background.md section 2): token i may attend token j iff block(j) <= block(i), where
 block(p) = p // block_size for absolute positions p.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def packed_noisy_clean_mask(length: int, block_size: int, n_copies: int, device=
     """((N+1)L, (N+1)L) keep-mask for `[noisy_1 ; ... ; noisy_N ; clean]` sharing one clean copy.
 
     Each noisy copy n attends only itself inside its own block plus the shared clean blocks before it,
-    so every copy's logits equal those of the unpacked `[noisy_n ; clean]` layout (REFERENCE.md s.10).
+    so every copy's logits equal those of the unpacked `[noisy_n ; clean]` layout (docs/background.md section 8).
     """
     if n_copies < 1:
         raise ValueError(f"n_copies must be >= 1, got {n_copies}")

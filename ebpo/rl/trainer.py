@@ -1,6 +1,6 @@
 """The RL driver: `ebpo train recipes/rl_*.yaml key=value ...`.
 
-One step, as in DESIGN.md:
+One step, as in docs/architecture.md:
 
     prompts -> rollout workers (G samples each, temperature sampling)   -> reward workers (scores)
             -> advantages per prompt group -> learner (old composite, mu epochs of EBPO)

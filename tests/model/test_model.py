@@ -151,7 +151,7 @@ def test_save_pretrained_round_trip_and_auto_classes(tmp_path):
 
 
 def released_key_names(cfg: LLaDA2MoeConfig) -> set[str]:
-    """Weight names of a released LLaDA2 checkpoint (REFERENCE.md section 1), written out by hand."""
+    """Weight names of a released LLaDA2 checkpoint (docs/background.md section 1), written out by hand."""
     keys = {"model.word_embeddings.weight", "model.norm.weight", "lm_head.weight"}
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."

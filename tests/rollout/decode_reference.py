@@ -1,4 +1,4 @@
-"""An independent, plain one-sequence, no-cache draft-and-edit decoder written from REFERENCE.md section 3.
+"""An independent, plain one-sequence, no-cache draft-and-edit decoder written from docs/background.md section 3.
 
 Deliberately naive: python lists, one full forward over the canvas per iteration with the block-causal
 mask of `ebpo.model.masks.block_causal_mask` (or, for an MBE pass, a mask built here with python loops),
