@@ -1,17 +1,24 @@
 """The built-in ``code`` reward: run the completion's code against the row's tests in the sandbox.
 
-score = passed tests / all tests. The code is the last ```python (or untagged) fenced block when there
-is one, else the whole completion. Infrastructure failures (sandbox did not start) score *skip*;
-everything the candidate can cause (crash, timeout, killed harness) scores as failed tests.
+score = passed tests / scored tests. The code is the last ```python (or untagged) fenced block when
+there is one, else the whole completion. Tests that never refer to the candidate are left out of the
+score (``vacuous_tests``). Infrastructure failures (sandbox did not start) score *skip*; everything the
+candidate can cause (crash, timeout, killed harness, garbage records) scores as failed tests.
 """
 from __future__ import annotations
 
-from rewards.api import RewardResult, skip
-from rewards.code_tests import TestFormatError, compile_test, judge
+import inspect
+import os
+import secrets
+
+from rewards.api import RewardResult, as_spec, skip
+from rewards.code_tests import TestFormatError, compile_tests, judge, warn_program_tests
 from rewards.format_reward import code_blocks
-from rewards.sandbox import Limits, SandboxError, resolve_mode, run_tests
+from rewards.sandbox import Limits, SandboxError, resolve_mode, run_tests, wall_bound_s
 
 _LANGS = ("python", "py", "python3", "")
+_CODE_REFS = ("code", "rewards.code_reward:code_reward")
+PRIVATE_TMP_DIRS = ("/tmp", "/dev/shm", "/var/tmp")
 
 
 def extract_code(completion: str) -> str:
@@ -20,31 +27,80 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else (completion or "")
 
 
-def code_reward(*, completion: str, tests, sandbox: str = "auto", test_timeout_s: float = 2.0,
-                total_timeout_s: float = 20.0, memory_mb: int = 1024, max_procs: int = 32,
-                **_) -> RewardResult:
-    """Pass rate of the completion's code on ``tests`` (assert strings and/or {"input","output"} dicts).
+def _limits(test_timeout_s=2.0, total_timeout_s=20.0, memory_mb=1024, max_procs=32, tmp_mb=64,
+            site_packages=()) -> Limits:
+    for d in site_packages or ():
+        real = os.path.realpath(d)
+        if any(real == t or real.startswith(t + "/") for t in PRIVATE_TMP_DIRS):
+            raise ValueError(f"code reward: site_packages entry {d!r} is under {', '.join(PRIVATE_TMP_DIRS)}, "
+                             "which are hidden by the sandbox's private temporary directories; put it elsewhere")
+    return Limits(test_timeout_s=float(test_timeout_s), total_timeout_s=float(total_timeout_s),
+                  memory_mb=int(memory_mb), max_procs=int(max_procs), tmp_mb=int(tmp_mb),
+                  site_packages=tuple(site_packages or ()))
 
-    extras: ``passed``, ``total``, ``sandbox`` (mode in force), ``outcomes`` (per-test reason),
-    ``exec_tests`` (tests judged inside the sandbox, see code_tests).
+
+def code_reward(*, completion: str, tests, sandbox: str = "auto", test_timeout_s: float = 2.0,
+                total_timeout_s: float = 20.0, memory_mb: int = 1024, max_procs: int = 32, tmp_mb: int = 64,
+                site_packages: list | None = None, **_) -> RewardResult:
+    """Pass rate of the completion's code on ``tests`` (assert strings, programs such as HumanEval's
+    ``check(candidate)``, and/or {"input","output"} dicts).
+
+    extras: ``passed``, ``total`` (scored tests), ``sandbox`` (mode in force), ``outcomes`` (per scored
+    test), ``program_tests`` (scored tests judged by exit status, weaker), ``vacuous_tests`` (left out).
     """
     if not tests:
         return skip("no tests")
     if isinstance(tests, (str, dict)):
         tests = [tests]
     try:
-        compiled = [compile_test(t, i) for i, t in enumerate(tests)]
+        compiled = [c for c in compile_tests(tests) if not c["vacuous"]]
+        n_vacuous = len(compile_tests(tests)) - len(compiled)
     except TestFormatError as e:
         return skip(f"bad test: {e}")
-    limits = Limits(test_timeout_s=test_timeout_s, total_timeout_s=total_timeout_s, memory_mb=memory_mb,
-                    max_procs=max_procs)
+    if not compiled:
+        return skip("no test refers to the candidate", vacuous_tests=n_vacuous)
+    n_program = sum(bool(c.get("program")) for c in compiled)
+    if n_program:
+        warn_program_tests(n_program, len(compiled), "of one row")
+    # A program test passes only on this exit status, drawn per call (never 0, 1 or 2).
+    exits = [3 + secrets.randbelow(250) if c.get("program") else None for c in compiled]
+    harness_tests = [dict(c["sandbox"], exit_code=k) if k else c["sandbox"] for c, k in zip(compiled, exits)]
+    limits = _limits(test_timeout_s, total_timeout_s, memory_mb, max_procs, tmp_mb, site_packages)
     try:
         info = resolve_mode(sandbox)
-        records = run_tests(extract_code(completion), [c["sandbox"] for c in compiled], limits, info)
+        records = run_tests(extract_code(completion), harness_tests, limits, info)
     except (SandboxError, OSError) as e:
         return skip(f"sandbox failure: {e}"[:300])
-    verdicts = [judge(c, r) for c, r in zip(compiled, records)]
+    verdicts = [judge(c, r, k) for c, r, k in zip(compiled, records, exits)]
     passed = sum(ok for ok, _ in verdicts)
     return RewardResult(passed / len(compiled), {
-        "passed": passed, "total": len(compiled), "sandbox": info.mode,
-        "outcomes": [why for _, why in verdicts], "exec_tests": sum(bool(c.get("exec")) for c in compiled)})
+        "passed": passed, "total": len(compiled), "sandbox": info.mode, "outcomes": [why for _, why in verdicts],
+        "program_tests": n_program, "vacuous_tests": n_vacuous})
+
+
+def total_budget_s(kwargs: dict | None = None) -> float:
+    """Longest one ``code`` reward call can take with these kwargs (the sandbox is killed from outside
+    by then): ``total_timeout_s`` plus the start-up and clean-up margins. A reward worker's per-call
+    timeout must be longer, or an honest slow program is killed as a hung call."""
+    defaults = {k: p.default for k, p in inspect.signature(_limits).parameters.items()}
+    given = {k: v for k, v in (kwargs or {}).items() if k in defaults}
+    return wall_bound_s(_limits(**{**defaults, **given}))
+
+
+def check_timeout_budget(specs, outer_timeout_s: float, outer_key: str = "reward.timeout_s",
+                         spec_key: str = "reward.fns[{i}].kwargs.total_timeout_s") -> None:
+    """Raise ValueError naming both keys when ``outer_timeout_s`` (the reward worker's hard per-call
+    limit) is not longer than a ``code`` reward's own budget (see total_budget_s). ``specs``: anything
+    ``rewards.as_spec`` takes (RewardSpec, ``(ref, weight, kwargs)``, dicts, ref strings)."""
+    for i, raw in enumerate(specs):
+        spec = as_spec(raw)
+        if spec.ref not in _CODE_REFS:
+            continue
+        budget = total_budget_s(spec.kwargs)
+        if outer_timeout_s <= budget:
+            total = spec.kwargs.get("total_timeout_s", 20.0)
+            raise ValueError(
+                f"{outer_key} ({outer_timeout_s:g} s) must be longer than the code reward's own budget "
+                f"({budget:g} s = {spec_key.format(i=i)} ({total:g} s) + {budget - float(total):g} s sandbox "
+                f"start-up/clean-up): raise {outer_key} above {budget:g} or lower {spec_key.format(i=i)}, "
+                "else slow but honest programs are killed as hung calls")

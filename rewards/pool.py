@@ -10,7 +10,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import multiprocessing as mp
+import os
 import signal
+import sys
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -101,6 +103,26 @@ class _Worker:
         self.conn.close()
 
 
+def start_failure(i: int, exitcode, method: str) -> str:
+    """Why a worker process died before it was ready, in words (the usual cause: a main script without
+    the ``if __name__ == "__main__":`` guard, which every spawned worker re-imports and re-runs)."""
+    msg = (f"reward worker {i} exited with code {exitcode} before it was ready (mp_context={method!r}); "
+           "its traceback, if any, is on stderr above.")
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if method in ("spawn", "forkserver") and path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                guarded = "__main__" in f.read()
+        except OSError:
+            guarded = True
+        if not guarded:
+            return (f"{msg} The main script {path} has no `if __name__ == \"__main__\":` guard: each worker "
+                    "process re-imports it and runs its module-level code again (creating another RewardWorker "
+                    "there fails). Put the script's work under that guard.")
+    return (f"{msg} With mp_context={method!r} each worker re-imports the main module: a script that creates "
+            "a RewardWorker at module level needs an `if __name__ == \"__main__\":` guard.")
+
+
 class HardTimeoutPool:
     """``num_workers`` processes; ``run(calls)`` returns one Outcome per call, in order."""
 
@@ -122,13 +144,19 @@ class HardTimeoutPool:
         self.restarts += 1
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """Block until every worker has started (imports done)."""
+        """Block until every worker has started (imports done); raise RuntimeError with the reason when
+        one exits first or does not start in time."""
         end = time.monotonic() + timeout_s
         for i, w in enumerate(self.workers):
             while not w.ready:
-                if not w.conn.poll(max(0.0, end - time.monotonic())):
+                if not wait([w.conn, w.proc.sentinel], timeout=max(0.0, end - time.monotonic())):
                     raise RuntimeError(f"reward worker {i} did not start within {timeout_s:.0f}s")
-                self._receive(i, None)
+                try:
+                    msg = w.conn.recv()
+                except (EOFError, OSError):
+                    w.proc.join(5)
+                    raise RuntimeError(start_failure(i, w.proc.exitcode, self.ctx.get_start_method())) from None
+                w.ready = msg[0] == "ready"
 
     def _receive(self, i: int, results: list | None) -> None:
         w = self.workers[i]

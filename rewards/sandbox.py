@@ -1,24 +1,26 @@
 """Run a program and its test probes in a sandbox; return the trusted harness's records.
 
-Layers, strongest available first (``mode="auto"``):
-- ``bwrap``: bubblewrap with a read-only root, private /tmp holding only the work dir, new user/pid/net/
-  ipc/uts namespaces, ``--die-with-parent`` and ``--new-session``.
-- ``unshare``: util-linux ``unshare --user --net --pid --ipc --uts --fork --kill-child`` (no network,
-  private pid space; the file system stays the host's, guarded by the uid below).
-- ``rlimits``: resource limits, a process group and the uid below only.
-In every mode: a fresh temporary directory as cwd and HOME, a scrubbed environment, rlimits (CPU seconds,
-address space, processes, file size, open files, no core files) set by the harness before any candidate
-code runs, per-test and whole-run deadlines, and everything killed afterwards. When we run as root the
-sandbox runs under a dedicated unprivileged uid (one per concurrent sandbox, held by a lock file), which
-is what makes the process limit bite and lets us kill every leftover process of that uid.
+Modes, strongest available first (``mode="auto"``):
+- ``bwrap``: bubblewrap; a new root holding only the interpreter, its standard library, its shared
+  objects and the allowed site-packages (read-only), fresh size-limited tmpfs on /tmp (the work dir),
+  /dev/shm and /var/tmp, new user/pid/net/ipc/uts namespaces, the harness as pid 1.
+- ``unshare``: util-linux ``unshare`` with new user/mount/pid/net/ipc/uts namespaces and its own /proc;
+  the harness (pid 1) mounts private tmpfs on /tmp, /dev/shm, /var/tmp and drops every capability. The
+  rest of the host file system is visible with the sandbox uid's permissions.
+- ``rlimits``: resource limits, process groups and the sandbox uid only; a host work dir as cwd/TMPDIR.
+In every mode: a scrubbed environment, ``python -I``, rlimits set in each test process before candidate
+code runs, per-test and whole-run deadlines enforced by the harness *and* from here (the parent), and
+every process killed after the sample. When we run as root the sandbox runs under a dedicated
+unprivileged uid (see sandbox_uids). What each mode does not protect is listed in docs/rewards.md.
 """
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import functools
 import json
+import logging
 import os
+import select
 import shutil
 import signal
 import stat
@@ -27,11 +29,30 @@ import sys
 import tempfile
 import time
 
-UID_BASE, UID_COUNT = 61000, 512
-_LOCK_DIR = os.path.join(tempfile.gettempdir(), "ebpo-sandbox-uids")
-_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_harness.py")
+from rewards import sandbox_uids
+from rewards.sandbox_fs import InterpreterError, InterpreterInfo, bwrap_binds, interpreter_info
+from rewards.sandbox_uids import UID_BASE, UID_COUNT, Slot, kill_uid  # noqa: F401 (re-exported)
+
+_LOG = logging.getLogger("rewards.sandbox")
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_harness.py"), "rb") as _f:
+    _HARNESS_SRC = _f.read()
+# The harness arrives on stdin (length-prefixed, then the job line): nothing of the host file system needs
+# to be visible for it, and the sandbox's command line stays short.
+_BOOT = ("import os\n"
+         "def r(n):\n"
+         "    b = b''\n"
+         "    while len(b) < n:\n"
+         "        c = os.read(0, n - len(b))\n"
+         "        if not c:\n"
+         "            raise SystemExit('harness: truncated input')\n"
+         "        b += c\n"
+         "    return b\n"
+         "exec(compile(r(int(r(10))), '<ebpo-harness>', 'exec'), {'__name__': '__main__'})\n")
 SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"}
+TEST_GRACE_S = 2.0   # the parent kills the sandbox when a test runs this much past its deadline
+RUN_GRACE_S = 3.0    # ... and when the whole run (start-up included) runs this much past total_timeout_s
+CLEANUP_S = 2.0      # at most this long to kill and collect a sandbox that did not end by itself
 
 
 @dataclasses.dataclass
@@ -45,6 +66,8 @@ class Limits:
     file_size_mb: int = 16           # RLIMIT_FSIZE
     open_files: int = 64             # RLIMIT_NOFILE
     max_output_bytes: int = 1 << 20  # per-test cap on captured stdout / serialised values
+    tmp_mb: int = 64                 # size of each private tmpfs (/tmp = work dir, /dev/shm, /var/tmp)
+    site_packages: tuple = ()        # extra directories visible and importable inside (default: none)
 
 
 @dataclasses.dataclass
@@ -54,14 +77,24 @@ class SandboxInfo:
     mode: str                 # bwrap | unshare | rlimits
     network_isolated: bool
     pid_namespace: bool
-    readonly_root: bool
+    readonly_root: bool       # only the interpreter, its libraries and the work dir are visible (bwrap)
     dedicated_uid: bool       # runs under its own unprivileged uid
     python: str               # interpreter used inside the sandbox
+    private_tmp: bool = False     # /tmp, /dev/shm, /var/tmp are private tmpfs removed with the sandbox
+    python_version: tuple = ()
 
 
 class SandboxError(RuntimeError):
-    """Infrastructure failure (sandbox did not start, harness output unreadable): score "skip"."""
+    """Infrastructure failure (sandbox did not start, unusable interpreter or uid range): score "skip",
+    or a start-up error when raised by ``resolve_mode``."""
 
+
+def wall_bound_s(limits: Limits) -> float:
+    """Longest a ``run_tests`` call can take: the parent kills the sandbox by then, whatever it does."""
+    return limits.total_timeout_s + RUN_GRACE_S + CLEANUP_S
+
+
+# ---- interpreter and uid -----------------------------------------------------------------------------
 
 def _world_executable(path: str) -> bool:
     """True if a stranger uid can reach and execute ``path`` (every directory o+x, file o+x)."""
@@ -94,156 +127,279 @@ def _drop_uid() -> bool:
     return os.geteuid() == 0 and _world_executable(sandbox_python())
 
 
-def _prefix(mode: str, work: str) -> list[str]:
-    if mode == "bwrap":
-        return ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-                "--tmpfs", "/dev/shm", "--bind", work, work, "--chdir", work, "--unshare-all",
-                "--die-with-parent", "--new-session", "--"]
-    if mode == "unshare":
-        return ["unshare", "--user", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--"]
-    return []
-
-
-@functools.lru_cache(maxsize=None)
-def mode_works(mode: str) -> bool:
-    """Probe once per process whether ``mode`` can start a program here."""
-    if mode == "bwrap" and not shutil.which("bwrap"):
-        return False
-    if mode == "unshare" and not shutil.which("unshare"):
-        return False
-    try:
-        with _Slot() as uid, tempfile.TemporaryDirectory(prefix="ebpo-probe-") as work:
-            if uid is not None:
-                os.chown(work, uid, uid)
-            out = subprocess.run(_prefix(mode, work) + [sandbox_python(), "-I", "-c", "print(6*7)"],
-                                 capture_output=True, timeout=20, env=SAFE_ENV, cwd=work,
-                                 **_user_kwargs(uid))
-        return out.returncode == 0 and out.stdout.strip() == b"42"
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-def resolve_mode(mode: str = "auto") -> SandboxInfo:
-    """Pick the strongest working mode (or check the requested one); raise SandboxError if unusable."""
-    order = ["bwrap", "unshare", "rlimits"] if mode == "auto" else [mode]
-    if mode not in ("auto", "bwrap", "unshare", "rlimits"):
-        raise ValueError(f"sandbox mode must be auto, bwrap, unshare or rlimits; got {mode!r}")
-    for m in order:
-        if m == "rlimits" or mode_works(m):
-            return SandboxInfo(mode=m, network_isolated=m != "rlimits", pid_namespace=m != "rlimits",
-                               readonly_root=m == "bwrap", dedicated_uid=_drop_uid(), python=sandbox_python())
-    raise SandboxError(f"sandbox mode {mode!r} does not work on this machine")
-
-
-class _Slot:
-    """Holds an exclusive lock on one uid of the dedicated range (root only); yields the uid or None."""
-
-    def __enter__(self):
-        self.fd = None
-        if not _drop_uid():
-            return None
-        os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
-        start = os.getpid() % UID_COUNT
-        for k in range(UID_COUNT):
-            uid = UID_BASE + (start + k) % UID_COUNT
-            fd = os.open(os.path.join(_LOCK_DIR, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                continue
-            self.fd, self.uid = fd, uid
-            return uid
-        raise SandboxError("all sandbox uids are busy")
-
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            kill_uid(self.uid)  # leftovers of this slot die before the slot is handed on
-            os.close(self.fd)
-
-
 def _user_kwargs(uid):
     return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
 
 
-def kill_uid(uid: int, rounds: int = 20) -> int:
-    """SIGKILL every process whose real uid is ``uid`` until none is left; returns how many were seen."""
-    seen = 0
-    for _ in range(rounds):
-        pids = []
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
+@functools.lru_cache(maxsize=None)
+def _interpreter() -> InterpreterInfo:
+    """The sandbox interpreter's version and files, checked once per process (a start-up error if it
+    cannot run the harness)."""
+    try:
+        with Slot(_drop_uid()) as uid:
+            info = interpreter_info(sandbox_python(), uid)
+    except InterpreterError as e:
+        raise SandboxError(str(e)) from None
+    if info.version[:2] != sys.version_info[:2]:
+        _LOG.warning("code reward: the sandbox runs Python %s (%s) while this process runs %s; completions "
+                     "that need the newer language or library fail there", ".".join(map(str, info.version)),
+                     info.path, ".".join(map(str, sys.version_info[:3])))
+    return info
+
+
+@functools.lru_cache(maxsize=None)
+def _uid_range_checked() -> bool:
+    try:
+        sandbox_uids.check_uid_range()
+    except sandbox_uids.UidRangeError as e:
+        raise SandboxError(str(e)) from None
+    return True
+
+
+# ---- modes -------------------------------------------------------------------------------------------
+
+_PROBE_ERRORS: dict[str, str] = {}
+
+
+def _info_for(mode: str) -> SandboxInfo:
+    interp = _interpreter()
+    return SandboxInfo(mode=mode, network_isolated=mode != "rlimits", pid_namespace=mode != "rlimits",
+                       readonly_root=mode == "bwrap", dedicated_uid=_drop_uid(), python=interp.path,
+                       private_tmp=mode != "rlimits", python_version=interp.version)
+
+
+@functools.lru_cache(maxsize=None)
+def mode_works(mode: str) -> bool:
+    """Probe once per process whether ``mode`` can run the real harness here (one probe test)."""
+    tool = {"bwrap": "bwrap", "unshare": "unshare"}.get(mode)
+    if tool and not shutil.which(tool):
+        _PROBE_ERRORS[mode] = f"{tool} is not installed"
+        return False
+    try:
+        recs = run_tests("x = 6", [{"kind": "probe", "exprs": [["x * 7", []]]}],
+                         Limits(test_timeout_s=10, total_timeout_s=20), _info_for(mode))
+        ok = bool(recs[0]) and json.loads(recs[0].get("payload") or "{}").get("values") == [["i", "42"]]
+        if not ok:
+            _PROBE_ERRORS[mode] = f"probe test gave {recs[0]!r}"[:300]
+    except (SandboxError, OSError, ValueError) as e:
+        _PROBE_ERRORS[mode] = f"{type(e).__name__}: {e}"[:300]
+        ok = False
+    if not ok and tool:
+        _LOG.warning("code reward: sandbox mode %s does not work here: %s", mode, _PROBE_ERRORS[mode])
+    return ok
+
+
+def resolve_mode(mode: str = "auto") -> SandboxInfo:
+    """Pick the strongest working mode (or check the requested one). Raises SandboxError at start-up when
+    the mode is unusable, the sandbox interpreter cannot run the harness, or the uid range is taken."""
+    if mode not in ("auto", "bwrap", "unshare", "rlimits"):
+        raise ValueError(f"sandbox mode must be auto, bwrap, unshare or rlimits; got {mode!r}")
+    if _drop_uid():
+        _uid_range_checked()
+    _interpreter()
+    for m in (["bwrap", "unshare", "rlimits"] if mode == "auto" else [mode]):
+        if mode_works(m):
+            return _info_for(m)
+    raise SandboxError(f"sandbox mode {mode!r} does not work on this machine: "
+                       + "; ".join(f"{m}: {e}" for m, e in _PROBE_ERRORS.items()))
+
+
+def _command(info: SandboxInfo, limits: Limits) -> list[str]:
+    interp = _interpreter()
+    python = info.python  # the interpreter whose version and files were checked (tests may swap it)
+    tail = ["-I", "-B", "-c", _BOOT]
+    if info.mode == "bwrap":
+        tmp = str(limits.tmp_mb << 20)
+        return ["bwrap", *bwrap_binds(interp, tuple(limits.site_packages)), "--dev", "/dev", "--proc", "/proc",
+                "--size", tmp, "--tmpfs", "/tmp", "--size", tmp, "--tmpfs", "/dev/shm",
+                "--symlink", "/tmp", "/var/tmp", "--remount-ro", "/", "--chdir", "/tmp",
+                "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--", os.path.realpath(python), *tail]
+    if info.mode == "unshare":
+        return ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--kill-child",
+                "--mount-proc", "--net", "--ipc", "--uts", "--", python, *tail]
+    return [python, *tail]
+
+
+# ---- one sandboxed run ---------------------------------------------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo and len(out) < 10000:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+class _Session:
+    """Feeds the job to the harness, reads its records and enforces the deadlines from outside."""
+
+    def __init__(self, proc: subprocess.Popen, job: bytes, limits: Limits, n_tests: int):
+        self.proc, self.pending, self.limits = proc, job, limits
+        self.records: list[dict | None] = [None] * n_tests
+        self.ready, self.done, self.current, self.reason = None, False, None, ""
+        self.stderr = bytearray()
+        self.hard_end = time.monotonic() + limits.total_timeout_s + RUN_GRACE_S
+        self.test_end = None
+        self.line_cap = 8 * limits.max_output_bytes + (1 << 20)
+
+    def _handle(self, line: bytes) -> None:
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(obj, dict):
+            return
+        now = time.monotonic()
+        if obj.get("ready"):
+            self.ready = obj
+            self.test_end = now + TEST_GRACE_S
+        elif isinstance(obj.get("start"), int):
+            self.current = obj["start"]
+            self.test_end = now + self.limits.test_timeout_s + TEST_GRACE_S
+        elif isinstance(obj.get("i"), int) and 0 <= obj["i"] < len(self.records):
+            self.records[obj["i"]] = obj
+            self.current, self.test_end = None, now + TEST_GRACE_S
+        elif obj.get("done"):
+            self.done, self.test_end = True, None
+
+    def run(self) -> None:
+        out_fd, err_fd, in_fd = self.proc.stdout.fileno(), self.proc.stderr.fileno(), self.proc.stdin.fileno()
+        os.set_blocking(in_fd, False)
+        buf, open_fds = bytearray(), {out_fd, err_fd}
+        while out_fd in open_fds and not self.done:
+            now = time.monotonic()
+            end = min(self.hard_end, self.test_end or self.hard_end)
+            if now >= end:
+                self.reason = "deadline"
+                return
+            readable, writable, _ = select.select(list(open_fds), [in_fd] if self.pending else [], [], end - now)
+            if writable:
+                try:
+                    self.pending = self.pending[os.write(in_fd, self.pending[:1 << 16]):]
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError:
+                    self.pending = b""  # the harness is gone; its exit shows below
+            for fd in readable:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    open_fds.discard(fd)
+                elif fd == err_fd:
+                    self.stderr = (self.stderr + chunk)[-4096:]
+                else:
+                    buf += chunk
+                    *lines, rest = bytes(buf).split(b"\n")
+                    buf = bytearray(rest)
+                    for line in lines:
+                        self._handle(line)
+                    if len(buf) > self.line_cap:
+                        self.reason = "harness output too long"
+                        return
+        if not self.done:
+            self.reason = "harness exited early"
+
+    def finish(self, ns_mode: bool) -> bool:
+        """Make sure nothing of the sandbox runs; True when the harness ended by itself."""
+        clean = self.done
+        if clean:
             try:
-                with open(f"/proc/{name}/status") as f:
-                    for line in f:
-                        if line.startswith("State:") and line.split()[1] in ("Z", "X"):
-                            break  # already dead, only waiting to be reaped
-                        if line.startswith("Uid:"):
-                            if int(line.split()[1]) == uid:
-                                pids.append(int(name))
-                            break
+                self.proc.wait(timeout=CLEANUP_S)
+            except subprocess.TimeoutExpired:
+                clean = False
+        if not clean:
+            self._kill(ns_mode)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                f.close()
             except OSError:
-                continue
-        if not pids:
-            return seen
-        seen += len(pids)
-        for pid in pids:
+                pass
+        if self.current is not None and self.records[self.current] is None:
+            self.records[self.current] = {"i": self.current, "status": "timeout", "by": "parent"}
+        return clean
+
+    def _kill(self, ns_mode: bool) -> None:
+        # Kill the namespace's pid 1 first and let the outer bwrap/unshare reap it: killing the outer one
+        # first would orphan pid 1 to the host's init, which may never reap its zombie.
+        victims = _children(self.proc.pid) if ns_mode else _descendants(self.proc.pid)
+        for pid in victims:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        time.sleep(0.01)
-    return seen
+        if ns_mode:
+            try:
+                self.proc.wait(timeout=CLEANUP_S / 2)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.proc.wait()
+        if not ns_mode:
+            for pid in victims:  # orphans re-parented to us (subreaper) while dying
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+
+@functools.lru_cache(maxsize=None)
+def _subreaper_once() -> bool:
+    sandbox_uids.become_subreaper()
+    return True
 
 
 def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo) -> list[dict | None]:
     """Run ``code`` against harness ``tests`` (see _harness.py); return one record per test, None where
-    the harness did not report (it was killed: the candidate's fault). Raises SandboxError on
-    infrastructure failures (sandbox did not start)."""
-    cpu = int(limits.test_timeout_s) + 2
+    the harness did not report (the candidate's fault). Raises SandboxError on infrastructure failures
+    (the sandbox did not start)."""
+    ns_mode = info.mode in ("bwrap", "unshare")
     job = {"code": code, "tests": tests, "test_timeout_s": limits.test_timeout_s,
            "total_timeout_s": limits.total_timeout_s, "max_output_bytes": limits.max_output_bytes,
-           "kill_all": info.dedicated_uid or info.pid_namespace,
-           "limits": {"cpu_s": cpu, "memory_bytes": limits.memory_mb << 20, "max_procs": limits.max_procs,
-                      "file_size_bytes": limits.file_size_mb << 20, "open_files": limits.open_files}}
-    with _Slot() as uid:
-        work = tempfile.mkdtemp(prefix="ebpo-sbx-")
+           "kill_all": info.dedicated_uid or ns_mode, "sys_path": [os.path.realpath(p) for p in limits.site_packages],
+           "private_tmp_bytes": (limits.tmp_mb << 20) if info.mode == "unshare" else 0,
+           "limits": {"cpu_s": int(limits.test_timeout_s) + 2, "memory_bytes": limits.memory_mb << 20,
+                      "max_procs": limits.max_procs, "file_size_bytes": limits.file_size_mb << 20,
+                      "open_files": limits.open_files}}
+    if not ns_mode:
+        _subreaper_once()
+    slot = Slot(info.dedicated_uid)
+    with slot as uid:
+        work = None if ns_mode else tempfile.mkdtemp(prefix="ebpo-sbx-")
         try:
-            shutil.copyfile(_HARNESS, os.path.join(work, "_harness.py"))
-            with open(os.path.join(work, "job.json"), "w") as f:
-                json.dump(job, f)
-            if uid is not None:
+            if work and uid is not None:
                 os.chown(work, uid, uid)
-            env = dict(SAFE_ENV, HOME=work, TMPDIR=work)
-            cmd = _prefix(info.mode, work) + [info.python, "-I", "-B", "_harness.py", "job.json"]
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, cwd=work, env=env, start_new_session=True,
-                                    **_user_kwargs(uid))
+            job["workdir"] = work  # the harness removes it itself if we die
+            home = work or "/tmp"
+            proc = subprocess.Popen(_command(info, limits), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, cwd=work or "/", env=dict(SAFE_ENV, HOME=home, TMPDIR=home),
+                                    start_new_session=True, **_user_kwargs(uid))
+            stdin = b"%010d" % len(_HARNESS_SRC) + _HARNESS_SRC + (json.dumps(job) + "\n").encode()
+            session = _Session(proc, stdin, limits, len(tests))
             try:
-                out, err = proc.communicate(timeout=limits.total_timeout_s + 5)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
+                session.run()
             finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except OSError:
-                    pass
+                slot.dirty = not session.finish(ns_mode)
         finally:
-            if uid is not None:
-                kill_uid(uid)  # before deleting: nothing of the sandbox may still write there
-            shutil.rmtree(work, ignore_errors=True)
-    lines = [ln for ln in out.decode("utf-8", "replace").splitlines() if ln.strip()]
-    try:
-        records = [json.loads(ln) for ln in lines]
-    except ValueError as e:
-        raise SandboxError(f"harness output unreadable: {e}") from e
-    if not records or not records[0].get("ready"):
-        raise SandboxError(f"sandbox ({info.mode}) did not start: rc={proc.returncode} "
-                           f"stderr={err.decode('utf-8', 'replace')[-300:]!r}")
-    by_index: list[dict | None] = [None] * len(tests)
-    for rec in records[1:]:
-        if isinstance(rec.get("i"), int) and 0 <= rec["i"] < len(tests):
-            by_index[rec["i"]] = rec
-    return by_index
+            if uid is not None and not ns_mode:
+                slot.sweep()  # before deleting: nothing of the sandbox may still write there
+                sandbox_uids.remove_tmp_files(uid)
+            if work:
+                shutil.rmtree(work, ignore_errors=True)
+    if session.ready is None:
+        raise SandboxError(f"sandbox ({info.mode}) did not start: rc={proc.returncode} {session.reason} "
+                           f"stderr={session.stderr.decode('utf-8', 'replace')[-300:]!r}")
+    return session.records

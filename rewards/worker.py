@@ -4,11 +4,16 @@ A plain class; the trainer makes it a Ray actor with ``ray.remote(num_cpus=...)(
 """
 from __future__ import annotations
 
+import warnings
+
 from rewards.api import SAMPLE_FIELDS, RewardSpec, as_spec
 from rewards.loader import BUILTINS, RewardLoadError, check_signature, is_batched, load_reward
 from rewards.pool import Call, HardTimeoutPool, Outcome, execute
 
-COUNTERS = ("reward/calls", "reward/timeouts", "reward/errors", "reward/skips", "reward/worker_restarts")
+COUNTERS = ("reward/calls", "reward/timeouts", "reward/errors", "reward/skips", "reward/worker_restarts",
+            "reward/program_tests", "reward/vacuous_tests")
+# extras a reward may report that are summed into the counters (the code reward's weaker / ignored tests)
+_COUNTED_EXTRAS = {"program_tests": "reward/program_tests", "vacuous_tests": "reward/vacuous_tests"}
 
 
 def _fields(sample: dict, index: int) -> dict:
@@ -18,6 +23,17 @@ def _fields(sample: dict, index: int) -> dict:
     out = {k: sample.get(k) for k in SAMPLE_FIELDS}
     out["metadata"] = out["metadata"] or {}
     return out
+
+
+def _warn_short_timeout(specs: list[RewardSpec], timeout_s: float) -> None:
+    """A code reward whose own budget exceeds the hard per-call timeout would see slow honest programs
+    killed as hung calls (a configuration check makes it an error with check_timeout_budget)."""
+    from rewards.code_reward import check_timeout_budget
+    try:
+        check_timeout_budget(specs, timeout_s, outer_key="RewardWorker timeout_s",
+                             spec_key="specs[{i}].kwargs.total_timeout_s")
+    except ValueError as e:
+        warnings.warn(str(e), stacklevel=3)
 
 
 class RewardWorker:
@@ -57,11 +73,17 @@ class RewardWorker:
             from rewards.sandbox import resolve_mode
             self._sandbox_mode = resolve_mode(next(s.kwargs.get("sandbox", "auto") for s in self.specs
                                                    if BUILTINS.get(s.ref) == BUILTINS["code"])).mode
+        if self.num_workers > 0:
+            _warn_short_timeout(self.specs, self.timeout_s)
         self._pool = None
         if self.num_workers > 0:
             self._pool = HardTimeoutPool(self.num_workers, self.timeout_s, mp_context,
                                          preload=[s.ref for s in self.specs])
-            self._pool.wait_ready()
+            try:
+                self._pool.wait_ready()
+            except BaseException:
+                self._pool.close()
+                raise
 
     # -- scoring -------------------------------------------------------------------------------------
     def _run(self, calls: list[Call]) -> list[Outcome]:
@@ -110,6 +132,9 @@ class RewardWorker:
                     r["score"] += spec.weight * score
                 r["rewards"][spec.name] = score
                 r["extras"][spec.name] = extras
+                for key, counter in _COUNTED_EXTRAS.items():
+                    if isinstance(extras, dict) and type(extras.get(key)) is int:
+                        self._counters[counter] += extras[key]
             if out.status == "timeout":
                 self._counters["reward/timeouts"] += len(idx)
             elif out.status == "error":
@@ -131,7 +156,8 @@ class RewardWorker:
 
     def stats(self, reset: bool = False) -> dict:
         """Cumulative counters since construction (or since the last ``reset=True`` call), plus
-        ``sandbox/mode`` when a code reward is configured."""
+        ``sandbox/mode`` when a code reward is configured. ``reward/program_tests`` and
+        ``reward/vacuous_tests`` sum the code reward's extras (weaker and ignored tests)."""
         out = dict(self._counters)
         if self._sandbox_mode:
             out["sandbox/mode"] = self._sandbox_mode

@@ -31,10 +31,12 @@ def _code_samples(n: int) -> list[dict]:
     return [{"prompt": "add", "completion": body, "answer": None, "tests": tests, "metadata": {}}] * n
 
 
-def _rate(worker, samples) -> tuple[float, float]:
+def _rate(worker, samples, failures: list | None = None) -> tuple[float, float]:
     t0 = time.perf_counter()
     out = worker.score(samples)
     dt = time.perf_counter() - t0
+    if failures is not None:  # every sample is correct: say why one did not score 1
+        failures += [r["extras"] for r in out if r["score"] != 1.0][:5 - len(failures)]
     return len(samples) / dt, sum(r["score"] for r in out) / len(out)
 
 
@@ -61,7 +63,7 @@ def main(argv: list[str]) -> int:
             res[f"math_{label}_per_s"], res["math_mean_score"] = _rate(w, math_s)
         with RewardWorker(code_spec, num_workers=n, timeout_s=30) as w:
             w.score(code_s[:4])
-            res[f"code_{label}_per_s"], res["code_mean_score"] = _rate(w, code_s)
+            res[f"code_{label}_per_s"], res["code_mean_score"] = _rate(w, code_s, res.setdefault("code_failures", []))
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "hang.py")

@@ -28,7 +28,7 @@ def test_pass_rate_matches_hand_count(mode):
     out = _run(f"```python\n{ADD}```", tests, mode)
     # by hand: pass, fail, pass, pass, pass, raises TypeError -> 4/6
     assert out.score == pytest.approx(4 / 6)
-    assert out.extras["sandbox"] == mode and out.extras["passed"] == 4 and out.extras["exec_tests"] == 1
+    assert out.extras["sandbox"] == mode and out.extras["passed"] == 4 and out.extras["program_tests"] == 1
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -101,7 +101,8 @@ def _adversaries(tmp_path, secret_name, secret, port, marker):
                     "        return 1\n    except OSError:\n        return 0\n", ["assert f() == 1"]),
         "daemon": ("import os, sys\ndef f():\n    if os.fork() == 0:\n        os.setsid()\n"
                    "        if os.fork() == 0:\n"
-                   f"            os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"  # noqa: E501
+                   "            os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', "
+                   f"{marker!r}])\n"
                    "        os._exit(0)\n    return 1\n", ["assert f() == 2"]),
         # reward hacks: each must score 0
         "eq_always_true": ("class A:\n    def __eq__(self, other):\n        return True\n"

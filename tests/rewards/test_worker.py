@@ -90,7 +90,10 @@ def test_dry_run_and_construction_errors_are_clear():
 def test_auto_mode_falls_back_without_bwrap(monkeypatch):
     monkeypatch.setattr(sandbox, "mode_works", lambda m: m == "unshare")
     assert sandbox.resolve_mode("auto").mode == "unshare"
-    monkeypatch.setattr(sandbox, "mode_works", lambda m: False)
+    monkeypatch.setattr(sandbox, "mode_works", lambda m: m == "rlimits")
     assert sandbox.resolve_mode("auto").mode == "rlimits"
     with pytest.raises(sandbox.SandboxError):
         sandbox.resolve_mode("bwrap")
+    monkeypatch.setattr(sandbox, "mode_works", lambda m: False)  # even rlimits cannot run the harness
+    with pytest.raises(sandbox.SandboxError, match="does not work"):
+        sandbox.resolve_mode("auto")
