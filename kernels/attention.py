@@ -8,13 +8,9 @@ KV cache needs. GQA: Hq must be a multiple of Hkv. With a `block_mask` (from `fl
 goes to FlexAttention (compiled on CUDA; the eager reference implementation on CPU, which materialises the
 scores and is for tests). Both give the same result for the same mask.
 
-Mask kinds for `flex_block_mask(kind, seq_len, block_size, n_copies)`; `seq_len` is the length L of ONE
-copy, the mask covers the whole layout:
-  - "block_causal" (L x L):       token i attends j iff j // K <= i // K;
-  - "noisy_clean"  (2L x 2L):     [noisy ; clean], = "packed" with n_copies = 1;
-  - "packed"       ((N+1)L sq.):  [noisy_1 .. noisy_N ; clean]: noisy copy n, block b attends itself inside
-                                   block b and clean blocks < b; clean block b attends clean blocks <= b;
-                                   clean never attends noisy.
+`copy_block_attention` computes the `[noisy_1 .. noisy_N ; clean]` pattern (optionally after a cached clean
+prefix) block by block without a mask, so no masked-out score is computed (on CPU, SDPA with a boolean mask
+computes every score and throws most of them away).
 """
 from __future__ import annotations
 
@@ -86,6 +82,46 @@ def _flex(q, k, v, block_mask, scale, gqa):
     with warnings.catch_warnings():  # eager flex warns that it is unfused: expected off-GPU
         warnings.simplefilter("ignore", UserWarning)
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+
+def copy_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, copies: int, block_size: int,
+                         k_prefix: torch.Tensor | None = None, v_prefix: torch.Tensor | None = None,
+                         scale: float | None = None) -> torch.Tensor:
+    """Block-sparse attention of the noisy/clean layout, computing only the scores the mask keeps.
+
+    q (C*B, Hq, G*K, D), k/v (C*B, Hkv, G*K, D): C copies of B sequences (row c*B + b is copy c of
+    sequence b; the last copy, c = C-1, is the clean one), each row holding the same G consecutive blocks
+    of K tokens (the last one may be shorter). Optional k_prefix/v_prefix (B, Hkv, S, D): keys/values of
+    the clean blocks before them (a KV cache), shared by the C copies of a sequence. A query of block g in row (c, b) attends
+    [prefix of b ; clean blocks < g of b ; its own row's block g] - the `[noisy_1 .. noisy_N ; clean]`
+    mask of `ebpo.model.masks.packed_noisy_clean_mask` (the clean copy's own block g is a clean block,
+    so clean rows get the plain block-causal pattern). One SDPA call per block, no mask: the keys are
+    concatenated rather than masked out, so no score is computed and thrown away. Returns like q.
+    Differentiable (plain SDPA and concatenation).
+    """
+    CB, Hq, T, D = q.shape
+    K = block_size
+    if CB % copies:
+        raise ValueError(f"copy_block_attention: {CB} rows is not a whole number of {copies} copies")
+    B, G = CB // copies, -(-T // K)  # the last block may be partial (the sequence's end)
+    gqa = Hq != k.shape[1]
+    clean_k, clean_v = k[CB - B:], v[CB - B:]
+    outs = []
+    for g in range(G):
+        lo, hi = g * K, min((g + 1) * K, T)
+        pk = [k_prefix] if k_prefix is not None else []
+        pv = [v_prefix] if v_prefix is not None else []
+        if g:
+            pk, pv = pk + [clean_k[:, :, :lo]], pv + [clean_v[:, :, :lo]]
+        if pk:  # the sequence's visible clean prefix, repeated for its C copies, then each row's own block
+            pk = torch.cat(pk, 2) if len(pk) > 1 else pk[0]
+            pv = torch.cat(pv, 2) if len(pv) > 1 else pv[0]
+            kk = torch.cat([pk.repeat(copies, 1, 1, 1), k[:, :, lo:hi]], 2)
+            vv = torch.cat([pv.repeat(copies, 1, 1, 1), v[:, :, lo:hi]], 2)
+        else:
+            kk, vv = k[:, :, lo:hi], v[:, :, lo:hi]
+        outs.append(F.scaled_dot_product_attention(q[:, :, lo:hi], kk, vv, scale=scale, enable_gqa=gqa))
+    return torch.cat(outs, 2) if G > 1 else outs[0]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_mask: torch.Tensor | None = None, *,

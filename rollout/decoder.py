@@ -15,7 +15,9 @@ from typing import Callable
 import torch
 
 from ebpo.model import BlockKVCache
+from ebpo.model.cache import StaticKVCache
 
+from .compiled import StaticDecodeStep, canvas_length, check_supported, compiled_step, draw_noise, prefill
 from .config import DecodeConfig
 from .layout import build_layout, gather_span
 from .sampling import candidates
@@ -31,6 +33,9 @@ class GenerationOutput:
         step last wrote it. num_forwards counts every forward the sequence took part in (block steps and
         MBE passes; the prompt's cache prefill and block commits ride along and are not extra forwards).
     num_edits: tokens rewritten after being visible (T2T edits plus MBE edits); num_mbe_edits: the MBE part.
+    tail_ids: the rest of the canvas's block that holds the last token of token_ids (what the decoder wrote
+        after the first EOS, or past max_new_tokens): the RL learner scores it with the response, so that
+        it sees the canvas that was sampled, block for block (docs/ebpo.md).
     """
 
     prompt_ids: list[int]
@@ -42,6 +47,7 @@ class GenerationOutput:
     num_mbe_edits: int
     trace: list[int]
     finished_by_eos: bool
+    tail_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -165,6 +171,9 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
     param = next(model.parameters())
     dev = param.device
     gens = _make_generators(n, seeds, generators, cfg.temperature, dev)
+    if cfg.compiled_step:
+        check_supported(cfg, on_step)
+        return _generate_compiled(model, ids, cfg, gens, K, mask_id, eos_ids, tokenizer, progress)
 
     seqs, canvases = [], []
     for p in ids:
@@ -321,20 +330,64 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
                   end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
-    return [_output(ids[r], seqs[r], canvas[r], trace[r], M, eos_ids, tokenizer) for r in range(n)]
+    return [_output(ids[r], seqs[r], canvas[r], trace[r], M, eos_ids, tokenizer, K) for r in range(n)]
+
+
+def _generate_compiled(model, ids, cfg, gens, K, mask_id, eos_ids, tokenizer, progress) -> list[GenerationOutput]:
+    """`generate` with `compiled_step=True`: the fixed-shape step of `rollout.compiled`, compiled once, run
+    until every row is finished; one host synchronisation per iteration (the termination check)."""
+    M, n = cfg.max_new_tokens, len(ids)
+    param = next(model.parameters())
+    dev = param.device
+    lens = [len(p) for p in ids]
+    T = canvas_length(lens, M, K)
+    canvas = torch.full((n, T), mask_id, dtype=torch.long, device=dev)
+    for r, p in enumerate(ids):
+        canvas[r, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
+    prompt_len = torch.tensor(lens, device=dev)
+    num_blocks = torch.tensor([-(-(P + M) // K) for P in lens], device=dev)
+    block = prompt_len // K
+    first_block = block.clone()
+    trace = torch.full((n, T), -1, dtype=torch.long, device=dev)
+    post_steps, block_iters, forwards, edits = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(4))
+    finished = torch.zeros(n, dtype=torch.bool, device=dev)
+    cache = StaticKVCache.for_model(model.config, n, T + K, dtype=param.dtype, device=dev)  # + K: spare tail
+    prefill(model, canvas, lens, K, cache)
+    step = compiled_step(StaticDecodeStep(model, cfg, K, T, mask_id, eos_ids, cache))
+    V = model.config.vocab_size
+    live = [True] * n
+    total = int((num_blocks - first_block).sum())
+    while True:
+        noise = draw_noise(gens, live, (K, V), dev) if cfg.temperature > 0 else torch.zeros(1, 1, 1, device=dev)
+        step(canvas, trace, block, post_steps, block_iters, forwards, edits, finished, prompt_len, num_blocks, noise)
+        live = (~finished).tolist()  # the one host synchronisation of the iteration
+        if progress:
+            done_blocks = int(torch.where(finished, num_blocks, block).sum() - first_block.sum())
+            print(f"\rdecode: {done_blocks}/{total} blocks, {sum(live)} active sequences", end="", file=sys.stderr,
+                  flush=True)
+        if not any(live):
+            break
+    if progress:
+        print(file=sys.stderr)
+    fw, ed = forwards.tolist(), edits.tolist()
+    seqs = [_Seq(prompt_len=P, num_blocks=0, block=0, first_block=0, forwards=fw[r], edits=ed[r])
+            for r, P in enumerate(lens)]
+    return [_output(ids[r], seqs[r], canvas[r], trace[r], M, eos_ids, tokenizer, K) for r in range(n)]
 
 
 def _output(prompt: list[int], s: _Seq, canvas_row: torch.Tensor, trace_row: torch.Tensor, M: int,
-            eos_ids: set[int], tokenizer) -> GenerationOutput:
+            eos_ids: set[int], tokenizer, block_size: int = 0) -> GenerationOutput:
     P = s.prompt_len
     toks = canvas_row[P:P + M].tolist()
     tr = trace_row[P:P + M].tolist()
     cut = first_eos(toks, eos_ids)
     if cut is not None:
         toks, tr = toks[: cut + 1], tr[: cut + 1]
+    end = P + len(toks)
+    tail = canvas_row[end: -(-end // block_size) * block_size].tolist() if block_size else []
     text = None
     if tokenizer is not None:
         text = tokenizer.decode(toks, skip_special_tokens=True)
     return GenerationOutput(prompt_ids=prompt, token_ids=toks, text=text, num_forwards=s.forwards,
                             tpf=len(toks) / max(s.forwards, 1), num_edits=s.edits, num_mbe_edits=s.mbe_edits,
-                            trace=tr, finished_by_eos=cut is not None)
+                            trace=tr, finished_by_eos=cut is not None, tail_ids=tail)

@@ -37,8 +37,63 @@ def _run(model, prompts, config, seeds, batch: int) -> dict:
     # max_new_tokens positions, and a trained model on random prompts writes EOS early.
     tokens = len(outs) * config.max_new_tokens
     forwards = sum(o.num_forwards for o in outs)
+    _LAST_TOKENS[:] = [o.token_ids for o in outs]
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "tpf": tokens / max(forwards, 1),
             "forwards_per_seq": forwards / len(outs), "edits_per_seq": sum(o.num_edits for o in outs) / len(outs)}
+
+
+_LAST_TOKENS: list[list[int]] = []  # the token ids of the latest `_run`, for the token-match check
+
+
+def _released_row(model, prompts, config, seeds, preset: str, ours) -> dict:
+    """The released-style loop (ebpo.bench.released: one prompt at a time, no cache, full forward and
+    logits every iteration) over the same prompts; `token_matches` counts sequences whose tokens equal
+    `ours` (the eager batch-B row's)."""
+    import torch
+
+    from ebpo.bench.released import released_style_generate
+
+    ours = ours or []
+    t0 = time.perf_counter()
+    outs = [released_style_generate(model, p, config,
+                                    torch.Generator().manual_seed(int(s)) if config.temperature > 0 else None)
+            for p, s in zip(prompts, seeds)]
+    wall = time.perf_counter() - t0
+    tokens = len(outs) * config.max_new_tokens
+    matches = sum(a == b for a, b in zip(outs, ours)) if len(ours) == len(outs) else None
+    print(f"  {preset:8s} released-style loop, one prompt at a time, no cache: {tokens / wall:9.1f} tok/s  "
+          f"({matches}/{len(outs)} sequences with our tokens)", flush=True)
+    return {"preset": preset, "batch": 1, "cache": False, "released_style": True, "wall_s": wall, "tokens": tokens,
+            "tokens_per_s": tokens / wall, "tpf": float("nan"), "forwards_per_seq": float("nan"),
+            "edits_per_seq": float("nan"), "token_matches": matches}
+
+
+def _compiled_rows(model, prompts, config, seeds, preset: str, batches: list[int], eager_tokens=None) -> list[dict]:
+    """Rows for `compiled_step=True`: each distinct compiled shape is compiled by an untimed warm-up decode
+    first (its seconds are reported as compile_s), then the rows are timed like the eager ones;
+    `token_matches` counts sequences with the eager batch-B row's tokens."""
+    from rollout import generate
+    from rollout.compiled import canvas_length
+
+    cfg = config.replace(compiled_step=True)
+    K = cfg.block_size or model.config.block_size
+    out = []
+    for batch in batches:
+        shapes = {}
+        for s in range(0, len(prompts), batch):
+            chunk = prompts[s:s + batch]
+            shapes.setdefault((len(chunk), canvas_length([len(p) for p in chunk], cfg.max_new_tokens, K)), s)
+        t0 = time.perf_counter()
+        for (n, _), s in shapes.items():
+            generate(model, prompts[s:s + n], cfg, seeds=seeds[s:s + n])
+        compile_s = time.perf_counter() - t0
+        r = _run(model, prompts, cfg, seeds, batch)
+        matches = sum(x == y for x, y in zip(_LAST_TOKENS, eager_tokens)) if eager_tokens else None
+        out.append({"preset": preset, "batch": batch, "cache": True, "compiled": True, "compile_s": compile_s,
+                    "compiled_shapes": len(shapes), "token_matches": matches, **r})
+        print(f"  {preset:8s} batch {batch:3d} cache on  compiled: {r['tokens_per_s']:9.1f} tok/s  TPF {r['tpf']:.2f}"
+              f"  (compile + warm-up {compile_s:.1f} s, {len(shapes)} shape(s))", flush=True)
+    return out
 
 
 def prompt_ids_from_file(path: str, tokenizer, n: int) -> list[list[int]]:
@@ -58,6 +113,7 @@ def main(argv: list[str]) -> int:
 
     from ebpo.model.loading import TINY_SFT_DIR, load_model, load_model_tokenizer
     from rollout import DecodeConfig
+    from rollout.config import parse_override
 
     p = argparse.ArgumentParser(prog="ebpo bench decode")
     p.add_argument("--model", default=None, help="default: the shipped tiny-sft checkpoint, else preset:tiny")
@@ -71,8 +127,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time compiled_step=true at batch 1 and batch B, cache on (compile time excluded, reported)")
+    p.add_argument("--compiled-only", action="store_true", help="only the compiled rows (no eager rows or ratios)")
+    p.add_argument("--vs-released", action="store_true",
+                   help="also time a released-style loop (one prompt at a time, no cache, full logits; same tokens)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a DecodeConfig field in every row, e.g. --set compiled_step=true (repeatable)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    overrides = dict(parse_override(item) for item in a.overrides)
     if a.threads:
         torch.set_num_threads(a.threads)
     spec = a.model or ("tiny-sft" if (TINY_SFT_DIR / "config.json").exists() else "preset:tiny")
@@ -86,8 +150,8 @@ def main(argv: list[str]) -> int:
     seeds = list(range(a.batch))
 
     def cfg(preset, cache):
-        return DecodeConfig.preset(preset, max_new_tokens=a.new_tokens, use_cache=cache, stop_at_eos=False,
-                                   temperature=a.temperature)
+        return DecodeConfig.preset(preset, **{"max_new_tokens": a.new_tokens, "use_cache": cache, "stop_at_eos": False,
+                                              "temperature": a.temperature, **overrides})
 
     _run(model, prompts[:2], cfg("m2t", True).replace(max_new_tokens=16), seeds[:2], 2)  # warm-up
     rows = []
@@ -95,26 +159,49 @@ def main(argv: list[str]) -> int:
         plan = [(1, True), (1, False), (a.batch, True)]
         if preset == a.off_batch_preset:
             plan.append((a.batch, False))
+        if a.compiled_only:
+            plan = []
+        eager_tokens = None
         for batch, cache in plan:
             r = _run(model, prompts, cfg(preset, cache), seeds, batch)
             rows.append({"preset": preset, "batch": batch, "cache": cache, **r})
+            if (batch, cache) == (a.batch, True):
+                eager_tokens = list(_LAST_TOKENS)
             print(f"  {preset:8s} batch {batch:3d} cache {'on ' if cache else 'off'}: "
                   f"{r['tokens_per_s']:9.1f} tok/s  TPF {r['tpf']:.2f}", flush=True)
+        if a.compiled or a.compiled_only:
+            rows += _compiled_rows(model, prompts, cfg(preset, True), seeds, preset, [1, a.batch], eager_tokens)
+        if a.vs_released:
+            rows.append(_released_row(model, prompts, cfg(preset, True), seeds, preset, eager_tokens))
 
-    def find(preset, batch, cache):
-        return next((r for r in rows if (r["preset"], r["batch"], r["cache"]) == (preset, batch, cache)), None)
+    def find(preset, batch, cache, compiled=False):
+        return next((r for r in rows if (r["preset"], r["batch"], r["cache"], r.get("compiled", False)) ==
+                     (preset, batch, cache, compiled)), None)
 
     ratios = {}
     for preset in a.presets.split(","):
+        if a.compiled_only:
+            continue
         on1, off1, onB, offB = (find(preset, 1, True), find(preset, 1, False), find(preset, a.batch, True),
                                 find(preset, a.batch, False))
         ratios[preset] = {"cache_speedup_batch1": on1["tokens_per_s"] / off1["tokens_per_s"],
                           f"batch{a.batch}_over_batch1": onB["tokens_per_s"] / on1["tokens_per_s"]}
         if offB:
             ratios[preset][f"cache_speedup_batch{a.batch}"] = onB["tokens_per_s"] / offB["tokens_per_s"]
+        released = next((r for r in rows if r["preset"] == preset and r.get("released_style")), None)
+        for batch in (1, a.batch):
+            comp = find(preset, batch, True, True)
+            eager = find(preset, batch, True)
+            if comp:
+                ratios[preset][f"compiled_over_eager_batch{batch}"] = comp["tokens_per_s"] / eager["tokens_per_s"]
+            if released:
+                ratios[preset][f"batch{batch}_over_released"] = eager["tokens_per_s"] / released["tokens_per_s"]
+                if comp:
+                    ratios[preset][f"compiled_batch{batch}_over_released"] = comp["tokens_per_s"] / released["tokens_per_s"]
     result = {"machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "device": a.device,
                           "python": platform.python_version(), "torch": torch.__version__},
-              "model": spec, "new_tokens": a.new_tokens, "prompts": a.prompts or f"random, {a.prompt_len} tokens",
+              "model": spec, "new_tokens": a.new_tokens, "overrides": overrides, "load_avg": list(os.getloadavg()),
+              "prompts": a.prompts or f"random, {a.prompt_len} tokens",
               "rows": rows, "ratios": ratios}
 
     from rich.console import Console
@@ -125,7 +212,10 @@ def main(argv: list[str]) -> int:
     for col in ("preset", "batch", "cache", "tokens/s", "TPF", "forwards/seq", "edits/seq", "wall s"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["preset"], str(r["batch"]), "on" if r["cache"] else "off", f"{r['tokens_per_s']:.1f}",
+        label = r["preset"] + (" compiled" if r.get("compiled") else "")
+        label += " released-style" if r.get("released_style") else ""
+        t.add_row(label, str(r["batch"]),
+                  "on" if r["cache"] else "off", f"{r['tokens_per_s']:.1f}",
                   f"{r['tpf']:.2f}", f"{r['forwards_per_seq']:.1f}", f"{r['edits_per_seq']:.1f}", f"{r['wall_s']:.2f}")
     Console().print(t)
     for preset, rr in ratios.items():

@@ -4,7 +4,7 @@
     ebpo generate ...                        draft-and-edit decoding (rollout.cli)
     ebpo eval ...                            held-out accuracy of a checkpoint
     ebpo export RUN_DIR OUT_DIR              write a Hugging Face folder
-    ebpo bench NAME [...]                    benchmarks: decode, likelihood, rewards, kernels
+    ebpo bench NAME [...]                    benchmarks: decode, likelihood, rewards, kernels, check
 
 The top-level parser picks the command; each command's own argparse parser, in the module that owns the
 feature, parses the rest (so `ebpo <command> --help` is that parser's help and the CLI never grows into a
@@ -30,6 +30,8 @@ BENCHMARKS = {
     "likelihood": ("ebpo.bench.likelihood:main", "vectorized block likelihood vs a per-block loop; replay memory"),
     "rewards": ("ebpo.bench.rewards:main", "math answers/s, sandboxed code executions/s, hang overhead"),
     "kernels": ("ebpo.bench.kernels:main", "FP8 GEMM, fused decode step, chunked log-probs (GPU or CPU)"),
+    "learner": ("ebpo.bench.learner:main", "EBPO learner tokens/s: token-budget micro-batches, W = 1 vs 2 ranks"),
+    "check": ("ebpo.bench.check:main", "headline ratios of the benchmarks against committed baselines"),
 }
 
 

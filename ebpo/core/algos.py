@@ -90,17 +90,31 @@ def clipped_surrogate(log_rho: torch.Tensor, advantages: torch.Tensor, eps_low: 
     return lr_clipped.exp() * advantages, clipped_low, clipped_high, clipped_dual
 
 
-def kl_estimate(log_ratio_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+# Below d = -K3_LINEAR_BELOW nats, k3 continues along its tangent (see `kl_estimate`).
+K3_LINEAR_BELOW = 20.0
+
+
+def kl_estimate(log_ratio_ref: torch.Tensor, estimator: str = "k3", linear_below: float = K3_LINEAR_BELOW) -> torch.Tensor:
     """Per-sequence KL(pi_theta || pi_ref) estimate (B,) from d = log pi_theta - log pi_ref (B,).
 
     k1 = d; k2 = d^2 / 2; k3 = exp(-d) - 1 + d (non-negative, unbiased under samples of pi_theta).
+
+    k3 is bounded: for d < -c (c = `linear_below`, default 20 nats) it continues along its tangent at -c,
+    k3(-c) + (1 - e^c)(d + c), so value and slope are continuous, the value is finite for every finite d
+    and the slope never exceeds e^c - 1 in size (the penalty still pulls towards the reference). Plain
+    k3 overflows below d = -88 nats (exp(88) > the fp32 maximum), which a sequence-level ELBO log-ratio
+    of a drifted reference reaches: the loss was inf and the gradient NaN. k1 and k2 need no bound.
     """
     if estimator == "k1":
         return log_ratio_ref
     if estimator == "k2":
         return 0.5 * log_ratio_ref ** 2
     if estimator == "k3":
-        return torch.expm1(-log_ratio_ref) + log_ratio_ref
+        c = float(linear_below)
+        inside = log_ratio_ref.clamp(min=-c)  # exp never sees d < -c, so neither value nor gradient overflows
+        k3 = torch.expm1(-inside) + inside
+        tangent = (math.expm1(c) - c) + (-math.expm1(c)) * (log_ratio_ref + c)
+        return torch.where(log_ratio_ref < -c, tangent, k3)
     raise ValueError(f"kl_estimator: expected one of {KL_ESTIMATORS}, got {estimator!r}")
 
 

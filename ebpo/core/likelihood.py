@@ -1,6 +1,6 @@
 """Vectorized block-ELBO composite likelihood of a response (the EBPO log-ratio) and gradient replay.
 
-Layout (REFERENCE.md sections 2, 5, 10). A sequence `x` of length L = prompt + response (+ right padding)
+Layout (docs/background.md sections 2, 5, 8). A sequence `x` of length L = prompt + response (+ right padding)
 is cut into blocks of K tokens by absolute position (`block = position // K`; the prompt's last partial
 block is part of that block). A *noisy copy* replaces some response tokens by the mask token; prompt,
 padding and unmasked response tokens stay as they are. One forward over `[noisy ; clean]` with the
@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ebpo.model.masks import block_causal_mask, noisy_clean_position_ids, packed_noisy_clean_mask
+from ebpo.model.masks import CopyBlockLayout, block_causal_mask, noisy_clean_position_ids, packed_noisy_clean_mask
 from ebpo.model.cache import BlockKVCache
 
 
@@ -90,14 +90,38 @@ class NoiseDraws:
         """The draws of the sequences `idx` (a minibatch), same draws."""
         return NoiseDraws(self.masked[:, idx], self.t[:, idx], self.weight[:, idx], self.block_size)
 
+    def take(self, idx: torch.Tensor, length: int | None = None) -> "NoiseDraws":
+        """The draws of the sequences `idx`, cut to the first `length` positions (a whole number of blocks;
+        None = all): what a micro-batch trimmed of trailing padding blocks needs."""
+        sub = self.rows(idx)
+        if length is None or length >= sub.masked.shape[-1]:
+            return sub
+        if length % self.block_size:
+            raise ValueError(f"NoiseDraws.take: length {length} is not a multiple of the block size {self.block_size}")
+        return NoiseDraws(sub.masked[..., :length], sub.t[..., : length // self.block_size],
+                          sub.weight[..., :length], self.block_size)
+
+
+NOISE_FORMS = ("bernoulli", "exact_elbo")
+
 
 def draw_noise(response_mask: torch.Tensor, block_size: int, n_draws: int, t_min: float, t_max: float,
-               generator: torch.Generator) -> NoiseDraws:
+               generator: torch.Generator, form: str = "bernoulli") -> NoiseDraws:
     """Stratified noise levels and masks (see module docstring) from `generator` only.
 
     response_mask (B, L) bool; 0 < t_min <= t_max <= 1; n_draws >= 1. Returns `NoiseDraws` on the
     generator's device. Every block that holds a response token has at least one masked token.
+    form="bernoulli": the forced Bernoulli(t) masks with 1/t weights described above; form="exact_elbo":
+    exactly k ~ U{1..m} of a block's m response tokens masked, weight m/k (`ebpo.core.noise_draws`;
+    t_min/t_max unused).
     """
+    if form == "exact_elbo":
+        from ebpo.core.noise_draws import exact_elbo_masks
+
+        masked, t, weight = exact_elbo_masks(response_mask, block_size, n_draws, generator)
+        return NoiseDraws(masked=masked, t=t, weight=weight, block_size=block_size)
+    if form != "bernoulli":
+        raise ValueError(f"noise form: expected one of {NOISE_FORMS}, got {form!r}")
     if not 0.0 < t_min <= t_max <= 1.0:
         raise ValueError(f"t_min/t_max: need 0 < t_min <= t_max <= 1, got t_min={t_min}, t_max={t_max}")
     if n_draws < 1:
@@ -150,11 +174,19 @@ def gathered_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, use_mo
     module instead of reading its weight (needed when the weight is partitioned, e.g. DeepSpeed ZeRO-3).
     """
     head = model.get_output_embeddings()
-    kernel = None if use_module_head else _kernel_token_logprobs()
-    if kernel is not None and getattr(head, "bias", None) is None:
-        return kernel(hidden, head.weight, targets).float()
-    logits = head(hidden).float()
-    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    # The head, log-softmax and everything after run in fp32 even when the body ran in bf16 (autocast or
+    # bf16 weights): a bf16 log-prob error summed over thousands of tokens exceeds the clip window.
+    with torch.autocast(hidden.device.type, enabled=False):
+        if use_module_head:  # partitioned weight (ZeRO-3): the module computes in its own dtype
+            logits = head(hidden.to(head.weight.dtype)).float()
+            return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+        weight = head.weight if head.weight.dtype == torch.float32 else head.weight.float()
+        kernel = _kernel_token_logprobs()
+        if kernel is not None and getattr(head, "bias", None) is None:
+            return kernel(hidden.float(), weight, targets).float()
+        bias = None if getattr(head, "bias", None) is None else head.bias.float()
+        logits = torch.nn.functional.linear(hidden.float(), weight, bias)
+        return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -214,31 +246,62 @@ def _scatter_composites(model, h_noisy, input_ids, masked, weight, K, return_blo
 
 @torch.no_grad()
 def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws, draws: Sequence[int],
-                              mask_token_id: int, return_blocks: bool = False, use_module_head: bool = False):
-    """Composites (B, S) without grad: clean copy once into a KV cache, then all S noisy copies against it.
+                              mask_token_id: int, return_blocks: bool = False, use_module_head: bool = False,
+                              by_block: bool = True, group_tokens: int = 2048):
+    """Composites (B, S) without grad, with the clean copy's keys/values in a KV cache.
 
-    Same attention pattern as `[noisy_s ; clean]` (noisy block b sees clean blocks < b and itself), but
-    the clean copy runs once ((S+1)L tokens like the packed layout) and each noisy query attends 2L keys
-    instead of the packed (S+1)L, which matters where attention with a dense boolean mask computes every
-    masked-out score (CPU SDPA). Keys/values are cached detached: no-grad passes only.
+    Same attention pattern as `[noisy_s ; clean]` (noisy block b sees clean blocks < b and itself).
+    by_block=True (default): forward b runs block b of the S noisy copies and of the clean copy ((S+1)B
+    rows of K tokens) against the clean blocks < b already cached, then commits the clean rows. Each row
+    attends exactly the keys the mask allows (no score is computed and thrown away) and the S+1 copies
+    of a sequence read its cached prefix in place (`kernels.attention.shared_prefix_attention`); the
+    clean copy's last block, which no noisy block sees, is skipped, and so are noisy blocks in which no
+    copy masks anything (prompt blocks). nb forwards of (S+1)BK tokens.
+    by_block=False: the clean copy once, then all S noisy copies in one forward whose queries attend 2L
+    keys through a dense mask (fewer forwards, about 4x the attention scores).
+    Keys/values are cached detached: no-grad passes only.
     """
     B, L = input_ids.shape
     K = noise.block_size
     S = len(draws)
     dev = input_ids.device
     cfg = model.config
-    pos = torch.arange(L, device=dev)
     cache = BlockKVCache.for_model(cfg, B, L, dtype=model.get_output_embeddings().weight.dtype, device=dev)
+    idx = torch.as_tensor(list(draws), device=noise.masked.device, dtype=torch.long)
+    masked = noise.masked.index_select(0, idx).to(dev)  # (S, B, L)
+    weight = noise.weight.index_select(0, idx).to(dev)
+    noisy = torch.where(masked, torch.full((), mask_token_id, device=dev, dtype=input_ids.dtype), input_ids[None])
+    if by_block:
+        nb = (L + K - 1) // K
+        padded = torch.zeros(S, B, nb * K, dtype=torch.bool, device=dev)
+        padded[..., :L] = masked
+        scored = padded.view(S, B, nb, K).any(-1).any(1).any(0).tolist()  # (nb,) one host sync
+        first = next((b for b in range(nb) if scored[b]), nb)  # leading blocks no copy masks (prompt blocks)
+        if first:  # clean only: keys/values for the blocks after them
+            model(input_ids=input_ids[:, : first * K], attention_mask=CopyBlockLayout(1, K),
+                  position_ids=torch.arange(first * K, device=dev), past_key_values=cache, return_logits=False)
+            cache.commit(first * K)
+        G = max(1, group_tokens // max(1, (S + 1) * B * K))  # blocks per forward
+        h_noisy = [torch.zeros(S, B, min(first * K, L), cfg.hidden_size, device=dev, dtype=cache.k[0].dtype)]
+        rows = list(range(B)) * (S + 1)
+        for b in range(first, nb, G):
+            lo, hi = b * K, min((b + G) * K, L)
+            x = torch.cat([noisy[:, :, lo:hi].reshape(S * B, hi - lo), input_ids[:, lo:hi]])
+            h = _unwrap_hidden(model(input_ids=x, attention_mask=CopyBlockLayout(S + 1, K),
+                                     position_ids=torch.arange(lo, hi, device=dev), past_key_values=cache,
+                                     cache_rows=rows, return_logits=False))
+            if hi < L:
+                cache.commit([0] * (S * B) + [hi - lo] * B)
+            h_noisy.append(h[: S * B].view(S, B, hi - lo, -1))
+        h = torch.cat(h_noisy, 2)
+        return _scatter_composites(model, h, input_ids, masked, weight, K, return_blocks, use_module_head)
+    pos = torch.arange(L, device=dev)
     model(input_ids=input_ids, attention_mask=block_causal_mask(L, K, device=dev)[None, None], position_ids=pos,
           past_key_values=cache, return_logits=False)
     cache.commit(L)
     # Rows of `[noisy ; clean]`'s noisy half, columns reordered to [clean prefix (cache) ; noisy (new)].
     full = packed_noisy_clean_mask(L, K, 1, device=dev)[:L]
     keep = torch.cat([full[:, L:], full[:, :L]], dim=1)[None, None]
-    idx = torch.as_tensor(list(draws), device=noise.masked.device, dtype=torch.long)
-    masked = noise.masked.index_select(0, idx).to(dev)  # (S, B, L)
-    weight = noise.weight.index_select(0, idx).to(dev)
-    noisy = torch.where(masked, torch.full((), mask_token_id, device=dev, dtype=input_ids.dtype), input_ids[None])
     rows = [b for _ in range(S) for b in range(B)]
     h = _unwrap_hidden(model(input_ids=noisy.reshape(S * B, L), attention_mask=keep, position_ids=pos,
                              past_key_values=cache, cache_rows=rows, return_logits=False)).reshape(S, B, L, -1)

@@ -4,6 +4,7 @@
   saved with `datasets.save_to_disk`; nothing is downloaded). A list of sources is concatenated. Malformed
   rows raise `DataError` naming the file and line.
 * `encode_prompt` / `encode_sft`: chat-templated prompt ids and the response ids ending with EOS.
+* `filter_overlong_prompts`: drop (or refuse) rows whose prompt exceeds the token limit, with a count.
 * `pack_documents`: CPT documents joined with EOS and cut into fixed-length chunks.
 * `collate`: right-pad a list of examples to a whole number of blocks and mark the response positions.
 * `EpochSampler`: seeded epoch shuffling with a resumable state.
@@ -108,6 +109,32 @@ def encode_prompt(tokenizer, text: str, chat_template: bool = True, max_tokens: 
     return ids[-max_tokens:] if max_tokens else ids
 
 
+def filter_overlong_prompts(rows: list[dict], prompt_length, max_tokens: int, mode: str = "filter",
+                            source: str = "data") -> tuple[list[dict], int]:
+    """Drop (mode "filter") or refuse (mode "error") rows whose prompt is longer than `max_tokens` tokens.
+
+    prompt_length(row) -> int is the prompt's length as the model will see it (chat template included).
+    Cutting a prompt instead would drop its chat header or the start of the question without a trace.
+    Returns (kept rows, number dropped); "error" raises DataError naming `source`, the row and the lengths.
+    Filtering every row is an error too (nothing left to train on).
+    """
+    if mode not in ("filter", "error"):
+        raise ValueError(f"overlong_prompts: choose filter or error, got {mode!r}")
+    kept, dropped = [], 0
+    for i, row in enumerate(rows):
+        n = int(prompt_length(row))
+        if n <= max_tokens:
+            kept.append(row)
+            continue
+        if mode == "error":
+            raise DataError(f"{source} row {i}: the prompt has {n} tokens, more than data.max_prompt_tokens = "
+                            f"{max_tokens}; raise data.max_prompt_tokens or set data.overlong_prompts=filter")
+        dropped += 1
+    if rows and not kept:
+        raise DataError(f"{source}: all {len(rows)} prompts are longer than data.max_prompt_tokens = {max_tokens}")
+    return kept, dropped
+
+
 def encode_sft(tokenizer, prompt: str, response: str, *, chat_template: bool = True, max_len: int = 512,
                max_prompt_tokens: int | None = None) -> tuple[list[int], int]:
     """(prompt + response + EOS ids, prompt length). Over `max_len`, the response is cut at the right
@@ -135,12 +162,17 @@ def pack_documents(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]
     return chunks
 
 
-def collate(examples: list[tuple[list[int], int]], block_size: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def collate(examples: list[tuple[list[int], int]], block_size: int, pad_id: int, *, eos_id: int | None = None,
+            mask_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad (ids, prompt_len) examples to a common length that is a multiple of `block_size`.
 
-    Returns input_ids (B, L) long and response_mask (B, L) bool. The response region of an example runs
-    from its prompt end to the end of the block holding its last token: the EOS padding inside that block
-    is part of the target (the decoder fills a finished block with EOS), later padding blocks are not.
+    Returns input_ids (B, L) long and response_mask (B, L) bool. The last block of an example is scored
+    whole (docs/ebpo.md, "The last block"; the RL learner does the same with the sampler's canvas): the
+    response region runs from its prompt end to the end of the block holding its last token, and the EOS
+    padding inside that block is part of the target (so the model learns to fill a finished block with
+    EOS); later padding blocks are not. An example cut at max_len (its last token is not `eos_id`) has no real tokens
+    after the cut: with `eos_id` and `mask_id` given, the rest of its last block holds the mask token
+    (not yet decoded) and is not scored, instead of teaching EOS right after the cut.
     """
     L = max(len(ids) for ids, _ in examples)
     L = -(-L // block_size) * block_size
@@ -150,6 +182,9 @@ def collate(examples: list[tuple[list[int], int]], block_size: int, pad_id: int)
     for i, (ids, plen) in enumerate(examples):
         input_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         end = -(-len(ids) // block_size) * block_size
+        if eos_id is not None and mask_id is not None and ids and ids[-1] != eos_id:  # cut: hide the tail
+            input_ids[i, len(ids):end] = mask_id
+            end = len(ids)
         response[i, plen:end] = True
     return input_ids, response
 

@@ -8,6 +8,9 @@ finish blocks at different iterations, share one batch.
 Flow per forward: the model calls `begin(rows)` once, `stage(layer, k, v)` per layer (the new tokens'
 keys/values are kept as *pending*), and the caller decides afterwards with `commit(n)` how many of the
 pending tokens become part of the prefix. `truncate` rewinds rows (Multi-Block Editing invalidation).
+
+`StaticKVCache` is the fixed-shape variant for decode steps that are compiled or captured as a graph: no
+host-side lengths, every forward writes its keys/values in place and attends the whole buffer through a mask.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ class CacheView:
     prefix_len: int  # S = max committed length over `rows`
     valid: torch.Tensor  # (b, S) bool: True where the prefix key exists for that row
     contiguous: bool  # rows == range(B): plain slicing, no gather copy
+    uniform: bool = False  # every row's committed length is S: the whole prefix is valid, no mask needed
+    copies: int = 1  # rows == list(range(n)) * copies (n = b / copies): C copies of the first n rows
 
 
 class BlockKVCache:
@@ -55,7 +60,8 @@ class BlockKVCache:
         S = max(lens) if lens else 0
         valid = torch.arange(S, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
         contiguous = rows_list == list(range(self.batch_size))
-        self._view = CacheView(torch.tensor(rows_list, device=device, dtype=torch.long), rows_list, S, valid, contiguous)
+        self._view = CacheView(torch.tensor(rows_list, device=device, dtype=torch.long), rows_list, S, valid, contiguous,
+                               uniform=all(n == S for n in lens), copies=_tiling(rows_list))
         self._pending = [None] * len(self.k)
         return self._view
 
@@ -66,6 +72,22 @@ class BlockKVCache:
         if view.contiguous:
             return self.k[layer][:, :S], self.v[layer][:, :S]
         return self.k[layer][view.rows, :S], self.v[layer][view.rows, :S]
+
+    def view_prefix_len(self) -> int:
+        """S of the current forward (0 before any `begin`)."""
+        return self._view.prefix_len if self._view is not None else 0
+
+    def shared_prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(K, V, C) when the view's rows are C copies of rows 0..n-1 whose prefixes are all whole (`uniform`):
+        K, V (n, S, kv_heads, head_dim) are the n distinct prefixes, read in place (no gather), for attention
+        that lets the C copies share them (`kernels.attention.copy_block_attention`). None otherwise."""
+        view = self._view
+        if view is None or not view.uniform or view.prefix_len == 0:
+            return None
+        n, S = len(view.rows_list) // view.copies, view.prefix_len
+        if view.copies == 1 and view.rows_list != list(range(n)):
+            return None
+        return self.k[layer][:n, :S], self.v[layer][:n, :S], view.copies
 
     def stage(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Keep this forward's new keys/values (b, Lq, kv_heads, head_dim) until commit or next begin."""
@@ -101,3 +123,48 @@ class BlockKVCache:
             if not 0 <= n <= self.lengths[r]:
                 raise ValueError(f"BlockKVCache.truncate: row {r} length {self.lengths[r]} cannot become {n}")
             self.lengths[r] = n
+
+
+class StaticKVCache:
+    """Preallocated per-layer K/V (B, max_len, num_kv_heads, head_dim) for graph-captured decode steps.
+
+    Nothing about it changes shape or lives on the host: before each forward the caller sets `write_pos`
+    (B, Lq) long, the absolute slot of every new token; each layer scatters the new keys/values there and
+    then attends the whole buffer through the keep-mask (B, 1, Lq, max_len) the caller passes as
+    `attention_mask` (True = may attend; the mask, not a length, says which slots hold a valid prefix).
+    Slots the mask never admits may hold anything (the decoder parks dummy tokens in a spare tail).
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        shape = (batch_size, max_len, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.write_pos: torch.Tensor | None = None
+
+    @classmethod
+    def for_model(cls, config, batch_size: int, max_len: int, dtype=torch.float32, device=None) -> "StaticKVCache":
+        """A cache sized for `config` (an LLaDA2MoeConfig)."""
+        return cls(config.num_hidden_layers, batch_size, max_len, config.num_key_value_heads, config.head_dim,
+                   dtype=dtype, device=device)
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scatter this forward's keys/values (B, Lq, kv_heads, head_dim) to `write_pos`; return the buffers."""
+        idx = self.write_pos[:, :, None, None].expand(-1, -1, k_new.shape[2], k_new.shape[3])
+        self.k[layer].scatter_(1, idx, k_new.detach().to(self.k[layer].dtype))
+        self.v[layer].scatter_(1, idx, v_new.detach().to(self.v[layer].dtype))
+        return self.k[layer], self.v[layer]
+
+
+def _tiling(rows: list[int]) -> int:
+    """C when `rows` is list(range(n)) repeated C times (n >= 1), else 1."""
+    if len(rows) < 2 or rows[0] != 0:
+        return 1
+    try:
+        n = rows.index(0, 1)
+    except ValueError:
+        return 1
+    if len(rows) % n or rows != list(range(n)) * (len(rows) // n):
+        return 1
+    return len(rows) // n

@@ -9,6 +9,8 @@ block(p) = p // block_size for absolute positions p.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -84,3 +86,19 @@ def padding_to_block_causal(padding_mask: torch.Tensor, block_size: int) -> torc
     keep = block_causal_mask(L, block_size, device=padding_mask.device)[None] & padding_mask.bool()[:, None, :]
     keep = keep | torch.eye(L, dtype=torch.bool, device=padding_mask.device)[None]
     return keep[:, None]
+
+
+@dataclass(frozen=True)
+class CopyBlockLayout:
+    """A structured keep-mask, passed as `attention_mask` instead of a dense one: the input (C*B, G*K)
+    holds C copies of B sequences (row c*B + b is copy c of sequence b; the last copy is the clean one),
+    each row the same G consecutive blocks of K tokens. A token of block g in row (c, b) may attend the
+    cached clean prefix of sequence b (with `past_key_values`: rows `list(range(B)) * C`, every committed
+    length equal), the clean blocks < g of b, and its own row's block g. This is the mask of
+    `packed_noisy_clean_mask` (noisy copies see past clean blocks and their own block; the clean copy is
+    block-causal) restricted to G blocks, and the model computes it without wasted scores
+    (`kernels.attention.copy_block_attention`). With C = 1 it is the plain block-causal mask.
+    """
+
+    copies: int
+    block_size: int

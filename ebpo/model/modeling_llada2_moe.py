@@ -1,6 +1,6 @@
 """LLaDA2.x MoE block-diffusion transformer (`model_type = "llada2_moe"`).
 
-Architecture and weight names follow REFERENCE.md section 1 exactly, so the `state_dict` of a released
+Architecture and weight names follow docs/background.md section 1 exactly, so the `state_dict` of a released
 LLaDA2.1 checkpoint loads into `LLaDA2MoeModelLM` with no missing or unexpected keys:
 
     x += Attn(RMSNorm(x)); x += MLP(RMSNorm(x))      (pre-norm residual)
@@ -26,8 +26,10 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from ebpo.model.masks import padding_to_block_causal, block_causal_mask
-from ebpo.model.cache import BlockKVCache
+from kernels.attention import copy_block_attention
+
+from ebpo.model.masks import CopyBlockLayout, padding_to_block_causal, block_causal_mask
+from ebpo.model.cache import BlockKVCache, StaticKVCache
 from ebpo.model.configuration_llada2_moe import LLaDA2MoeConfig
 
 
@@ -50,7 +52,7 @@ def rope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, base: float, dtype
     """cos, sin of shape (B, L, rotary_dim) for NeoX rotary embedding at absolute `position_ids` (B, L).
 
     Computed from the config at every call rather than kept in a buffer: a non-persistent `inv_freq`
-    buffer comes back as garbage after transformers 5 meta-device loading (REFERENCE.md section 7).
+    buffer comes back as garbage after transformers 5 meta-device loading (docs/background.md section 7).
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, device=position_ids.device, dtype=torch.float32) / rotary_dim))
     freqs = position_ids.float()[..., None] * inv_freq  # (B, L, rot/2)
@@ -95,6 +97,12 @@ class LLaDA2MoeAttention(nn.Module):
             q, k = self.query_layernorm(q), self.key_layernorm(k)
         cos, sin = rope_cos_sin(position_ids, self.rotary_dim, self.rope_theta, q.dtype)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        if isinstance(keep_mask, CopyBlockLayout):
+            return self._copy_block(q, k, v, keep_mask, cache)
+        if isinstance(cache, StaticKVCache):  # fixed shapes: write in place, attend the whole buffer by mask
+            k, v = cache.write(self.layer_idx, k, v)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            cache = None
         if cache is not None:
             cache.stage(self.layer_idx, k, v)
             k_prev, v_prev = cache.prefix(self.layer_idx)
@@ -106,6 +114,22 @@ class LLaDA2MoeAttention(nn.Module):
         # repeating K and V (over the whole cached prefix when decoding) num_heads / num_kv_heads times.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_mask,
                                              enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.dense(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
+
+    def _copy_block(self, q, k, v, layout: CopyBlockLayout, cache: BlockKVCache | None) -> torch.Tensor:
+        """Attention of a `CopyBlockLayout` input (see ebpo.model.masks): block by block, no mask."""
+        B, L = q.shape[:2]
+        k_pre = v_pre = None
+        if cache is not None:
+            cache.stage(self.layer_idx, k, v)
+            if cache.view_prefix_len() > 0:
+                shared = cache.shared_prefix(self.layer_idx)
+                if shared is None or shared[2] != layout.copies:
+                    raise ValueError("CopyBlockLayout with a KV cache needs cache_rows = list(range(B)) * copies "
+                                     "and the same committed length in every row")
+                k_pre, v_pre = shared[0].to(k.dtype).transpose(1, 2), shared[1].to(v.dtype).transpose(1, 2)
+        out = copy_block_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout.copies,
+                                   layout.block_size, k_pre, v_pre)
         return self.dense(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
 
 
@@ -209,17 +233,38 @@ class LLaDA2MoeExperts(nn.Module):
         order = flat_expert.argsort(stable=True)
         token_of = order // k
         xs = x[token_of]  # (T*k, H) grouped by expert
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        # counts per expert with a fixed output shape (bincount's depends on the data: no graph capture)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
+            0, flat_expert, torch.ones_like(flat_expert))
         offs = counts.cumsum(0).to(torch.int32)
-        gm = torch._grouped_mm
-        g = gm(xs, self.gate_proj.transpose(1, 2), offs=offs)
-        u = gm(xs, self.up_proj.transpose(1, 2), offs=offs)
-        h = _ContiguousGrad.apply(F.silu(g) * u)
-        y = _ContiguousGrad.apply(gm(h, self.down_proj.transpose(1, 2), offs=offs))
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            # traced as one opaque op: `_grouped_mm`'s meta function accepts only bf16 (its CUDA kernel's rule)
+            # while its CPU kernel runs fp32; same kernel, same numbers as eager
+            y = torch.ops.ebpo.grouped_swiglu(xs, offs, self.gate_proj, self.up_proj, self.down_proj)
+        else:
+            gm = torch._grouped_mm
+            g = gm(xs, self.gate_proj.transpose(1, 2), offs=offs)
+            u = gm(xs, self.up_proj.transpose(1, 2), offs=offs)
+            h = _ContiguousGrad.apply(F.silu(g) * u)
+            y = _ContiguousGrad.apply(gm(h, self.down_proj.transpose(1, 2), offs=offs))
         w = topk_weight.reshape(-1)[order].to(y.dtype)
         out = torch.zeros_like(x)
         out.index_add_(0, token_of, y * w[:, None])
         return out
+
+
+@torch.library.custom_op("ebpo::grouped_swiglu", mutates_args=())
+def _grouped_swiglu(xs: torch.Tensor, offs: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+    """Routed experts' SwiGLU on rows grouped by expert (offs: end of each expert's rows), no grad."""
+    gm = torch._grouped_mm
+    h = F.silu(gm(xs, gate.transpose(1, 2), offs=offs)) * gm(xs, up.transpose(1, 2), offs=offs)
+    return gm(h.contiguous(), down.transpose(1, 2), offs=offs).contiguous()
+
+
+@_grouped_swiglu.register_fake
+def _(xs, offs, gate, up, down):
+    return xs.new_empty(xs.shape[0], down.shape[1])
 
 
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -349,7 +394,16 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         return self.norm(x)
 
     def _keep_mask(self, attention_mask, B, L, device, cache, cache_rows):
-        """Normalise every accepted mask form to one bool keep-mask (B|1, 1, L, S+L), or None = full."""
+        """Normalise every accepted mask form to one bool keep-mask (B|1, 1, L, S+L), or None = full; a
+        `CopyBlockLayout` passes through (the attention computes it block by block)."""
+        if isinstance(attention_mask, CopyBlockLayout):
+            if cache is not None:
+                cache.begin(cache_rows, device=device)
+            return attention_mask
+        if isinstance(cache, StaticKVCache):
+            if attention_mask is None or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
+                raise ValueError("a StaticKVCache needs a 4-D bool keep-mask over its whole buffer (B, 1, L, max_len)")
+            return attention_mask
         if attention_mask is not None and attention_mask.dim() == 2:
             if cache is not None:
                 raise ValueError("attention_mask: a 2-D padding mask cannot be combined with past_key_values; "
@@ -370,6 +424,8 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         S = view.prefix_len
         if attention_mask is not None and attention_mask.shape[-1] == S + L:
             return attention_mask
+        if attention_mask is None and view.uniform:
+            return None  # every row's whole prefix and all new tokens: full attention, no mask to build or apply
         new_part = (attention_mask if attention_mask is not None
                     else torch.ones(1, 1, L, L, dtype=torch.bool, device=device)).expand(B, 1, L, L)
         prefix_part = view.valid[:, None, None, :].expand(B, 1, L, S)

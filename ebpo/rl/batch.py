@@ -10,20 +10,29 @@ import torch
 
 
 def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], advantages: torch.Tensor,
-                        group_ids: torch.Tensor, pad_id: int) -> dict:
+                        group_ids: torch.Tensor, pad_id: int, tail_ids: list[list[int]] | None = None) -> dict:
     """Right-padded learner batch.
 
     prompt_ids[i], response_ids[i]: token ids (the response ends at its first EOS, EOS included, or is
-    cut at max_new_tokens). Returns `input_ids` (B, L) long, `prompt_lens` (B,), `response_lens` (B,),
-    `response_mask` (B, L) bool marking response tokens (never padding), `advantages` (B,) fp32,
-    `group_ids` (B,) long.
+    cut at max_new_tokens). tail_ids[i] (optional): what the sampler's canvas holds after the response up
+    to the end of the response's last block (the rest of that block: tokens after the EOS, or past
+    max_new_tokens for a cut response). The tail is appended and scored with the response, so the
+    learner's sequence is the canvas the sampler really produced, block for block (docs/ebpo.md, "The
+    last block"). Without tails, positions after the response are `pad_id` and not scored.
+    Returns `input_ids` (B, L) long, `prompt_lens` (B,), `response_lens` (B,) (the response without its
+    tail), `response_mask` (B, L) bool marking scored positions (response and tail, never padding),
+    `advantages` (B,) fp32, `group_ids` (B,) long.
     """
     B = len(prompt_ids)
-    lens = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+    tails = tail_ids if tail_ids is not None else [[] for _ in range(B)]
+    if len(tails) != B:
+        raise ValueError(f"tail_ids: {len(tails)} tails for {B} responses")
+    scored = [list(r) + list(t) for r, t in zip(response_ids, tails)]
+    lens = [len(p) + len(r) for p, r in zip(prompt_ids, scored)]
     L = max(lens)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     response_mask = torch.zeros(B, L, dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+    for i, (p, r) in enumerate(zip(prompt_ids, scored)):
         input_ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         if r:
             input_ids[i, len(p): len(p) + len(r)] = torch.tensor(r, dtype=torch.long)

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
-from ebpo.infra.config import build, describe, doc
+from ebpo.infra.config import ConfigError, build, describe, doc
 
 
 @dataclass
@@ -21,12 +21,19 @@ class DataConfig:
                                             "evaluation; null = no eval", None)
     prompt_field: str = doc("row field holding the user prompt", "prompt")
     chat_template: bool = doc("wrap prompts in the tokenizer's chat template", True)
-    max_prompt_tokens: int = doc("longer prompts are cut from the left", 256)
+    max_prompt_tokens: int = doc("longest prompt (after the chat template) in tokens; longer prompts are "
+                                 "handled as data.overlong_prompts says, never cut", 256)
+    overlong_prompts: Literal["filter", "error"] = doc(
+        "prompts longer than data.max_prompt_tokens: filter (dropped at load time; the count is logged and "
+        "recorded as data/overlong_train_prompts and data/overlong_eval_prompts) or error (stop at start-up "
+        "naming the first such row)", "filter")
     shuffle: bool = doc("reshuffle the training rows every epoch (seeded by trainer.seed)", True)
 
     def validate(self):
         if self.max_prompt_tokens <= 0:
             raise ValueError("data.max_prompt_tokens: must be positive")
+        if self.overlong_prompts not in ("filter", "error"):
+            raise ValueError(f"data.overlong_prompts: choose filter or error, got {self.overlong_prompts!r}")
 
 
 @dataclass
@@ -73,6 +80,10 @@ class RewardConfig:
             raise ValueError("reward.fns: at least one reward needs judge: true (it decides held-out accuracy)")
         if self.timeout_s <= 0:
             raise ValueError("reward.timeout_s: must be positive")
+        from rewards import check_timeout_budget
+
+        # the hard per-call kill must outlast a code reward's own deadlines, or honest slow programs die
+        check_timeout_budget([(f.fn, f.weight, f.kwargs) for f in self.fns], self.timeout_s)
 
 
 @dataclass
@@ -158,6 +169,36 @@ class RLConfig:
         return build(LearnerConfig, {"total_steps": self.trainer.steps, "seed": self.trainer.seed, **self.learner},
                      "learner.")
 
+    def check_against_model(self, model_block_size: int) -> list[str]:
+        """Start-up checks that need the model: returns warnings, raises ConfigError on a block-size mismatch.
+
+        `learner.block_size` and `rollout.decode.block_size` (unset = the model's `block_size`) must be
+        equal: the learner scores a response with the block partition the sampler used, and a different
+        one trains on blocks that were never sampled. Rollouts with Multi-Block Editing
+        (`rollout.decode.mbe_window` > 0) rewrite finished blocks after later ones exist, a sample the
+        block-causal ELBO does not represent: allowed, with a warning.
+        """
+        from rollout.config import DecodeConfig
+
+        decode = DecodeConfig.preset(self.rollout.preset, **self.rollout.decode)
+        learner_k = self.learner_config().block_size or model_block_size
+        rollout_k = decode.block_size or model_block_size
+        if learner_k != rollout_k:
+            def origin(value):
+                return "set" if value else f"unset: the model's block_size {model_block_size}"
+
+            raise ConfigError(
+                f"learner.block_size = {learner_k} ({origin(self.learner.get('block_size'))}) differs from "
+                f"rollout.decode.block_size = {rollout_k} ({origin(self.rollout.decode.get('block_size'))}): the "
+                "learner would score responses with a block partition the sampler never used; set both to "
+                "the same value (or leave both unset)")
+        warnings = []
+        if decode.mbe_window > 0:
+            warnings.append(f"rollout.decode.mbe_window = {decode.mbe_window}: rollouts use Multi-Block Editing, "
+                            "which rewrites finished blocks; the learner's block-causal ELBO scores the final "
+                            "canvas as if each block had been written once, left to right (docs/ebpo.md)")
+        return warnings
+
     def resolved(self) -> dict:
         """The configuration as a plain dict with the learner section filled in (what `--print-config` shows)."""
         from dataclasses import asdict
@@ -170,3 +211,17 @@ class RLConfig:
         from ebpo.rl.learner import LearnerConfig
 
         return describe(RLConfig) + describe(LearnerConfig, "learner.")
+
+
+def model_block_size(spec: str) -> int:
+    """`block_size` of the model a recipe names (a folder, a shipped name or `preset:NAME[@seed]`), read from
+    its configuration only (no weights are loaded)."""
+    from ebpo.model.loading import resolve_model_path
+    from ebpo.model.presets import load_preset
+
+    path = resolve_model_path(spec)
+    if path.startswith("preset:"):
+        return int(load_preset(path[len("preset:"):].partition("@")[0]).block_size)
+    from ebpo.model.configuration_llada2_moe import LLaDA2MoeConfig
+
+    return int(LLaDA2MoeConfig.from_pretrained(path).block_size)

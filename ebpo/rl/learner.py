@@ -24,7 +24,8 @@ import torch
 
 from ebpo.core.algos import KL_ESTIMATORS, ebpo_loss
 from ebpo.infra.config import doc
-from ebpo.infra.distributed import init_distributed
+from ebpo.infra.distributed import all_reduce_grads, init_distributed
+from ebpo.rl.sharding import balance_by_tokens, loss_weight, padded_lengths, token_microbatches
 from ebpo.core.likelihood import all_composites, direct_backward, draw_noise, replay_backward, response_mask_from_ids
 
 LORA_TARGETS = ["query_key_value", "dense", "gate_proj", "up_proj", "down_proj"]
@@ -45,6 +46,11 @@ class LearnerConfig:
     n_draws: int = doc("Monte Carlo noise draws N per sequence (stratified noise levels)", 8)
     t_min: float = doc("smallest noise level (mask probability), > 0 because of the 1/t weight", 0.1)
     t_max: float = doc("largest noise level, <= 1", 1.0)
+    noise: Literal["bernoulli", "exact_elbo"] = doc(
+        "noise draws of the block ELBO: bernoulli (each response token masked with prob. t, t stratified on "
+        "[t_min, t_max], weight 1/t, one mask forced per block) or exact_elbo (exactly k ~ U{1..m} of a "
+        "block's m response tokens masked, weight m/k: LLaDA's ELBO, t_min/t_max unused); docs/ebpo.md",
+        "bernoulli")
     eps_low: float = doc("clip: ratio floor 1 - eps_low for negative advantages", 0.2)
     eps_high: float = doc("clip: ratio ceiling 1 + eps_high for positive advantages", 0.28)
     dual_clip: Optional[float] = doc("dual clip c > 1: for negative advantages the objective is at least c * A, so "
@@ -58,8 +64,20 @@ class LearnerConfig:
     replay_chunk: int = doc("draws per replayed forward with grad (activations alive at once)", 1)
     nograd_cached: bool = doc("no-grad passes run the clean copy once into a KV cache and the noisy copies "
                               "against it (fewer attention scores than packed; same values)", True)
-    backend: Literal["torch", "deepspeed"] = doc("optimizer engine", "torch")
+    backend: Literal["torch", "deepspeed"] = doc("optimizer engine: torch (AdamW; with several ranks the gradients "
+                                                 "are summed by all-reduce, as DDP does) or deepspeed (ZeRO)", "torch")
     zero_stage: int = doc("DeepSpeed ZeRO stage (0-3)", 2)
+    offload_optimizer: bool = doc("DeepSpeed: keep optimizer states (and fp32 master weights) in CPU memory", False)
+    offload_param: bool = doc("DeepSpeed ZeRO-3: keep partitioned parameters in CPU memory", False)
+    num_workers: int = doc("learner ranks W: Ray actors forming one torch.distributed group (gloo on CPU, NCCL on "
+                           "GPU); each minibatch is split over them by tokens and the update equals one rank's "
+                           "on the whole minibatch", 1)
+    dtype: Literal["fp32", "bf16"] = doc("compute dtype of the policy forward: bf16 autocast (torch) or bf16 "
+                                         "weights with fp32 master copies (deepspeed); the LM head, log-softmax "
+                                         "and every composite sum stay in fp32", "fp32")
+    max_tokens_per_microbatch: int = doc("token budget of one forward/backward on a rank: rows x their longest "
+                                         "length (rounded up to whole blocks), rows sorted by length so padding "
+                                         "stays small; 0 = a rank's whole share of a minibatch at once", 0)
     lora: Optional[dict] = doc("PEFT LoRA {r, alpha, target_modules, dropout}; null = full fine-tuning", None)
     seed: int = doc("seed of the learner's noise-draw generator (and minibatch shuffling)", 0)
     block_size: Optional[int] = doc("block size K of the likelihood; null = the model's", None)
@@ -81,6 +99,7 @@ class LearnerConfig:
             ("n_draws", self.n_draws >= 1, "must be >= 1"),
             ("t_min", 0 < self.t_min <= self.t_max, "need 0 < t_min <= t_max"),
             ("t_max", self.t_max <= 1, "must be <= 1"),
+            ("noise", self.noise in ("bernoulli", "exact_elbo"), "choose bernoulli or exact_elbo"),
             ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1)"),
             ("eps_high", self.eps_high >= 0, "must be >= 0"),
             ("dual_clip", self.dual_clip is None or self.dual_clip > 1, "must be > 1 or null"),
@@ -91,6 +110,13 @@ class LearnerConfig:
             ("backend", self.backend in ("torch", "deepspeed"), "choose torch or deepspeed"),
             ("zero_stage", self.zero_stage in (0, 1, 2, 3), "choose 0, 1, 2 or 3"),
             ("block_size", self.block_size is None or self.block_size >= 1, "must be >= 1 or null"),
+            ("num_workers", self.num_workers >= 1, "must be >= 1"),
+            ("dtype", self.dtype in ("fp32", "bf16"), "choose fp32 or bf16"),
+            ("max_tokens_per_microbatch", self.max_tokens_per_microbatch >= 0, "must be >= 0 (0 = off)"),
+            ("offload_param", not self.offload_param or (self.backend == "deepspeed" and self.zero_stage == 3),
+             "needs backend=deepspeed and zero_stage=3"),
+            ("offload_optimizer", not self.offload_optimizer or (self.backend == "deepspeed" and self.zero_stage >= 1),
+             "needs backend=deepspeed and zero_stage >= 1"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -135,6 +161,14 @@ class _Forward:
         return self._module.config
 
 
+def _autocast(module, device_type: str):
+    """`module(...)` run under bf16 autocast on `device_type`."""
+    def call(*args, **kwargs):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            return module(*args, **kwargs)
+    return call
+
+
 class EBPOLearner:
     """EBPO policy learner. `update(batch)` runs one RL step's optimisation and returns metrics."""
 
@@ -174,23 +208,46 @@ class EBPOLearner:
         self.engine = None
         n_backward = math.ceil(cfg.n_draws / cfg.replay_chunk) if cfg.grad_replay else 1
         self._n_backward = n_backward
+        # Several ranks: the process group was formed by the caller (LearnerActor) or a launcher; one rank
+        # computes every collective with the others, so all of them run `update` on the same batch.
+        if cfg.num_workers > 1 or cfg.backend == "deepspeed":
+            init_distributed()
+        self.world_size = torch.distributed.get_world_size() if cfg.num_workers > 1 else 1
+        self.rank = torch.distributed.get_rank() if cfg.num_workers > 1 else 0
+        if self.world_size != cfg.num_workers:
+            raise ValueError(f"learner.num_workers={cfg.num_workers} but the process group has {self.world_size} "
+                             "ranks")
         if cfg.backend == "deepspeed":
             import deepspeed
 
-            init_distributed()
+            zero = {"stage": cfg.zero_stage}
+            if cfg.offload_optimizer:
+                zero["offload_optimizer"] = {"device": "cpu"}
+            if cfg.offload_param:
+                zero["offload_param"] = {"device": "cpu"}
             ds_config = {
                 "train_micro_batch_size_per_gpu": 1,
-                # One optimizer step per minibatch = one "micro step" per replayed draw chunk; we scale
-                # the replayed losses ourselves (scale_wrt_gas=False), so gradients are the exact sum.
+                # One optimizer step per minibatch = one "micro step" per replayed draw chunk and micro-batch;
+                # `_step_backward` marks the last one as the accumulation boundary, and we scale the losses
+                # ourselves (scale_wrt_gas=False), so gradients are the exact sum.
                 "gradient_accumulation_steps": n_backward,
                 "gradient_clipping": cfg.grad_clip,
-                "zero_optimization": {"stage": cfg.zero_stage},
+                "zero_optimization": zero,
+                "bf16": {"enabled": cfg.dtype == "bf16"},
                 "steps_per_print": 10 ** 9,
                 "wall_clock_breakdown": False,
             }
+            if cfg.offload_optimizer:
+                # DeepSpeed's CPU Adam needs a compiled extension; torch's AdamW on the offloaded states is exact.
+                ds_config["zero_force_ds_cpu_optimizer"] = False
             self.engine, self.optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=self.optimizer,
                                                                      config=ds_config)
             self.fwd = _Forward(self.engine, self.model)
+        elif cfg.dtype == "bf16":
+            # fp32 weights stay the master copy; matmuls run in bf16. `gathered_logprobs` turns autocast off
+            # for the LM head and log-softmax, and composites are summed in fp32.
+            dev_type = next(self.model.parameters()).device.type
+            self.fwd = _Forward(_autocast(self.model, dev_type), self.model)
         else:
             self.fwd = _Forward(self.model, self.model)
         self.device = next(self.model.parameters()).device
@@ -220,19 +277,32 @@ class EBPOLearner:
         else:
             t.backward()
 
-    def _optimizer_step(self) -> float:
-        """Clip, step, zero grads; returns the pre-clip global grad norm."""
+    def _optimizer_step(self, loss_finite: bool = True) -> float:
+        """Clip, step, zero grads; returns the pre-clip global grad norm.
+
+        A step whose loss (`loss_finite` False) or grad norm is not finite is skipped (gradients dropped,
+        weights and optimizer state untouched) and counted in `self._nonfinite` (`actor/nonfinite_steps`).
+        """
         if self.engine is not None:
             # engine.step() is a no-op until the accumulation boundary; our backward calls per
             # minibatch equal gradient_accumulation_steps, so the last one triggers the real step.
+            # DeepSpeed ZeRO skips a step whose gradient norm is inf/NaN itself (fp32; bf16 only with its
+            # overflow check on) and reports the norm as inf: counted here.
             norm = self.engine.get_global_grad_norm() if hasattr(self.engine, "get_global_grad_norm") else None
-            return float(norm) if norm is not None else float("nan")
+            norm = float(norm) if norm is not None else float("nan")
+            self._nonfinite += int(not (loss_finite and math.isfinite(norm)))
+            return norm
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.world_size > 1:
+            all_reduce_grads(params)
         if self.cfg.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         else:
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
-        self.optimizer.step()
+        if not (loss_finite and math.isfinite(float(norm))):  # NaN would reach the weights and Adam's moments
+            self._nonfinite += 1
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
@@ -256,8 +326,11 @@ class EBPOLearner:
                 raise ValueError(f"batch.response_mask: expected shape ({B}, {L}), got {tuple(resp.shape)}")
         else:
             resp = response_mask_from_ids(ids, prompt_lens, self.eos_id)
+        # prompt + response length of each row: the last response position + 1 (the prompt alone if empty)
+        last = L - resp.flip(1).to(torch.uint8).argmax(1)
+        seq_lens = torch.where(resp.any(1), last, prompt_lens.clamp(max=L))
         return {"input_ids": ids, "response_mask": resp, "advantages": adv,
-                "lengths": resp.sum(1).float()}
+                "lengths": resp.sum(1).float(), "seq_lens": seq_lens}
 
     def _composites(self, fwd, ids, noise, chunk, blocks=False):
         return all_composites(fwd, ids, noise, self.mask_id, packed=self.cfg.packed, chunk=chunk,
@@ -267,6 +340,10 @@ class EBPOLearner:
     def update(self, batch: dict) -> dict:
         """One RL step: old (and ref) composites without grad, then mu epochs x minibatches of EBPO.
 
+        Every rank of a learner group calls it with the same batch: noise draws and minibatch order come
+        from the learner seed over the whole batch (independent of W), each rank scores its token-balanced
+        share of every minibatch (`ebpo.rl.sharding`), in token-budget micro-batches, and gradients are
+        summed over ranks with the loss normalised by the whole minibatch.
         Returns `actor/*` metrics (means over minibatch steps; log_ratio_max is the max), per-block
         likelihood stats `likelihood/*` of the old policy, and `timing_s/{old_logprob,update}`.
         """
@@ -276,9 +353,14 @@ class EBPOLearner:
         ids, resp = b["input_ids"].to(dev), b["response_mask"]
         adv, lengths = b["advantages"].to(dev), b["lengths"].to(dev)
         B = ids.shape[0]
-        noise = draw_noise(resp, self.block_size, cfg.n_draws, cfg.t_min, cfg.t_max, self.generator)
+        noise = draw_noise(resp, self.block_size, cfg.n_draws, cfg.t_min, cfg.t_max, self.generator, cfg.noise)
         perm = torch.randperm(B, generator=self.generator)
         mbs = list(perm.split(cfg.minibatch_size or B))
+        if min(len(mb) for mb in mbs) < self.world_size:
+            raise ValueError(f"learner: a minibatch of {min(len(mb) for mb in mbs)} sequences cannot be split "
+                             f"over learner.num_workers={self.world_size} ranks; raise learner.minibatch_size")
+        tokens = padded_lengths(b["seq_lens"], self.block_size)
+        plans = [self._plan(mb, tokens) for mb in mbs]
         # Current values inside replay use `nograd_chunk`; direct backprop uses one forward of all draws.
         # Old values use the same chunking so that at the first step current == old bit for bit.
         chunk = cfg.nograd_chunk if cfg.grad_replay else 0
@@ -289,69 +371,146 @@ class EBPOLearner:
         on_policy = cfg.mu == 1 and len(mbs) == 1 and cfg.kl_beta == 0
         t0 = time.perf_counter()
         old = torch.zeros(B, cfg.n_draws, device=dev)
-        blocks = None
+        blocks = torch.zeros(B, cfg.n_draws, noise.t.shape[-1], device=dev)
         ref = torch.zeros(B, cfg.n_draws, device=dev) if cfg.kl_beta > 0 else None
+        # ZeRO-3 gathers parameters collectively in every forward: all ranks run n_micro forwards, a rank
+        # with fewer micro-batches repeats one row and discards the result.
+        pad = self.engine is not None and self.world_size > 1
         with torch.no_grad():
-            for mb in ([] if on_policy else mbs):
-                mb_noise = noise.rows(mb)
-                c, blk = self._composites(self.fwd, ids[mb], mb_noise, chunk, blocks=True)
-                old[mb.to(dev)] = c
-                if blocks is None:
-                    blocks = torch.zeros(B, *blk.shape[1:], device=dev)
-                blocks[mb.to(dev)] = blk
-                if ref is not None:
-                    with self._ref_context():
-                        ref[mb.to(dev)] = self._composites(self._ref_forward(), ids[mb], mb_noise, chunk)
+            for micro, n_micro in ([] if on_policy else plans):
+                for s in range(n_micro if pad else len(micro)):
+                    real = s < len(micro)
+                    rows = micro[s] if real else micro[0][:1]
+                    mb_ids, mb_noise = self._take(ids, noise, rows, tokens)
+                    c, blk = self._composites(self.fwd, mb_ids, mb_noise, chunk, blocks=True)
+                    r = None
+                    if ref is not None:
+                        with self._ref_context():
+                            r = self._composites(self._ref_forward(), mb_ids, mb_noise, chunk)
+                    if real:
+                        old[rows.to(dev)] = c
+                        blocks[rows.to(dev), :, : blk.shape[-1]] = blk
+                        if ref is not None:
+                            ref[rows.to(dev)] = r
+            if not on_policy:
+                self._sum_over_ranks(old, blocks, *([ref] if ref is not None else []))
         t_old = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         sums: dict[str, float] = {}
         lr_max, n_steps, n_total = 0.0, 0, cfg.mu * len(mbs)
+        self._nonfinite = 0  # optimizer steps skipped for a non-finite loss or gradient norm
         for _ in range(cfg.mu):
             for j in torch.randperm(len(mbs), generator=self.generator).tolist():
-                mb = mbs[j].to(dev)
                 self._set_lr(cfg.lr * lr_factor(self.updates_done + n_steps / n_total, cfg, 1.0 / n_total))
-                mb_old, mb_adv = old[mb], adv[mb]
-                mb_len = lengths[mb] if cfg.length_normalize else None
-                mb_ref = ref[mb] if ref is not None else None
-
-                def loss_fn(cur):
-                    return ebpo_loss(cur, cur.detach() if on_policy else mb_old, mb_adv, cfg.eps_low, cfg.eps_high,
-                                     lengths=mb_len, ref=mb_ref,
-                                     kl_beta=cfg.kl_beta, kl_estimator=cfg.kl_estimator,
-                                     dual_clip=cfg.dual_clip)
-
-                zero3 = cfg.zero_stage == 3 and self.engine is not None
-                if cfg.grad_replay:
-                    _, m, cur = replay_backward(self.fwd, ids[mb], noise.rows(mbs[j]), self.mask_id, loss_fn,
-                                                backward=self._step_backward, packed=cfg.packed,
-                                                nograd_chunk=cfg.nograd_chunk, replay_chunk=cfg.replay_chunk,
-                                                use_module_head=zero3, cached=self._cached,
-                                                return_blocks=on_policy)
-                else:
-                    _, m, cur = direct_backward(self.fwd, ids[mb], noise.rows(mbs[j]), self.mask_id, loss_fn,
-                                                backward=self._step_backward, packed=cfg.packed,
-                                                use_module_head=zero3, return_blocks=on_policy)
-                if on_policy:  # the behaviour policy's values, for the likelihood stats
-                    old[mb], blocks = cur[0].to(dev), cur[1].to(dev)
-                m["grad_norm"] = self._optimizer_step()
+                micro, n_micro = plans[j]
+                parts = []  # (rows, metrics) of this rank's micro-batches
+                for s in range(n_micro):
+                    # DeepSpeed reduces gradients inside every backward, so all ranks run n_micro of them;
+                    # a rank with fewer micro-batches repeats one row with weight 0.
+                    real = s < len(micro)
+                    rows = micro[s] if real else micro[0][:1]
+                    weight = loss_weight(len(rows), len(mbs[j])) if real else 0.0
+                    if self.engine is not None:
+                        weight *= self.world_size  # DeepSpeed averages gradients over ranks; we want the sum
+                    m, cur = self._micro_step(ids, noise, rows, tokens, old, adv, lengths, ref, weight,
+                                              on_policy, last=s == n_micro - 1)
+                    if on_policy and real:  # the behaviour policy's values, for the likelihood stats
+                        old[rows.to(dev)] = cur[0].to(dev)
+                        blocks[rows.to(dev), :, : cur[1].shape[-1]] = cur[1].to(dev)
+                    if real:
+                        parts.append((len(rows), m))
+                m = self._reduce_metrics(parts, len(mbs[j]))
+                m["grad_norm"] = self._optimizer_step(math.isfinite(m["pg_loss"]) and math.isfinite(m["kl"]))
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 lr_max = max(lr_max, m["log_ratio_max"])
                 n_steps += 1
+        if on_policy:
+            self._sum_over_ranks(old, blocks)
         self.updates_done += 1
         metrics = {f"actor/{k}": v / n_steps for k, v in sums.items()}
         metrics["actor/log_ratio_max"] = lr_max
         metrics["actor/lr"] = self.lr_now
+        metrics["actor/nonfinite_steps"] = float(self._nonfinite)  # a count per update, not a mean
         metrics.update(self._likelihood_stats(old, blocks, noise, resp, lengths))
         metrics["timing_s/old_logprob"] = t_old
         metrics["timing_s/update"] = time.perf_counter() - t0
         return metrics
 
+    def _micro_step(self, ids, noise, rows, tokens, old, adv, lengths, ref, weight: float, on_policy: bool,
+                    last: bool):
+        """Forward and backward of one micro-batch `rows`; its loss is the EBPO loss of these rows times
+        `weight`. Returns (metrics of the rows, composites (C, blocks) of the rows or C)."""
+        cfg, dev = self.cfg, self.device
+        rows_d = rows.to(dev)
+        mb_old, mb_adv = old[rows_d], adv[rows_d]
+        mb_len = lengths[rows_d] if cfg.length_normalize else None
+        mb_ref = ref[rows_d] if ref is not None else None
+
+        def loss_fn(cur):
+            loss, m = ebpo_loss(cur, cur.detach() if on_policy else mb_old, mb_adv, cfg.eps_low, cfg.eps_high,
+                                lengths=mb_len, ref=mb_ref, kl_beta=cfg.kl_beta, kl_estimator=cfg.kl_estimator,
+                                dual_clip=cfg.dual_clip)
+            return (loss if weight == 1.0 else loss * weight), m
+
+        mb_ids, mb_noise = self._take(ids, noise, rows, tokens)
+        self._backwards_left, self._last_micro = self._n_backward, last
+        zero3 = cfg.zero_stage == 3 and self.engine is not None
+        if cfg.grad_replay:
+            _, m, cur = replay_backward(self.fwd, mb_ids, mb_noise, self.mask_id, loss_fn,
+                                        backward=self._step_backward, packed=cfg.packed,
+                                        nograd_chunk=cfg.nograd_chunk, replay_chunk=cfg.replay_chunk,
+                                        use_module_head=zero3, cached=self._cached, return_blocks=on_policy)
+        else:
+            _, m, cur = direct_backward(self.fwd, mb_ids, mb_noise, self.mask_id, loss_fn,
+                                        backward=self._step_backward, packed=cfg.packed,
+                                        use_module_head=zero3, return_blocks=on_policy)
+        return m, cur
+
+    def _plan(self, mb: torch.Tensor, tokens: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+        """This rank's micro-batches of minibatch `mb` and the number of micro-steps every rank runs."""
+        shares = balance_by_tokens(mb, tokens, self.world_size)
+        per_rank = [token_microbatches(share, tokens, self.cfg.max_tokens_per_microbatch) for share in shares]
+        return per_rank[self.rank], max(len(m) for m in per_rank)
+
+    def _take(self, ids: torch.Tensor, noise, rows: torch.Tensor, tokens: torch.Tensor):
+        """Input ids and noise draws of `rows`; with a token budget, cut to their longest padded length."""
+        if self.cfg.max_tokens_per_microbatch <= 0:
+            return ids[rows.to(ids.device)], noise.rows(rows)
+        length = int(tokens[rows].max())
+        return ids[rows.to(ids.device), :length], noise.take(rows, length)
+
+    def _sum_over_ranks(self, *tensors: torch.Tensor) -> None:
+        """In place: every rank filled only its own rows (zeros elsewhere); the sum gives all rows to all."""
+        if self.world_size > 1:
+            for t in tensors:
+                torch.distributed.all_reduce(t)
+
+    def _reduce_metrics(self, parts: list[tuple[int, dict]], rows_in_minibatch: int) -> dict:
+        """Minibatch metrics from this rank's micro-batches (and the other ranks'): row-weighted means, and
+        the max for log_ratio_max. One part covering the whole minibatch is returned unchanged."""
+        if self.world_size == 1 and len(parts) == 1:
+            return dict(parts[0][1])
+        keys = sorted(parts[0][1])
+        sums = torch.tensor([[n * m[k] for k in keys] for n, m in parts], dtype=torch.float64).sum(0)
+        top = torch.tensor([max(m["log_ratio_max"] for _, m in parts)], dtype=torch.float64)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(sums)
+            torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
+        out = {k: float(v) / rows_in_minibatch for k, v in zip(keys, sums.tolist())}
+        out["log_ratio_max"] = float(top)
+        return out
+
     def _step_backward(self, t: torch.Tensor) -> None:
+        self._backwards_left -= 1
+        if self.engine is not None:
+            # the last backward of the minibatch's last micro-batch ends the accumulation: DeepSpeed then
+            # reduces the gradients and `step` updates the weights; before it, `step` does nothing.
+            self.engine.set_gradient_accumulation_boundary(self._last_micro and self._backwards_left == 0)
         self._backward(t)
         if self.engine is not None:
-            self.engine.step()  # real optimizer step only at the accumulation boundary
+            self.engine.step()
 
     @staticmethod
     def _likelihood_stats(old, blocks, noise, resp, lengths) -> dict:
@@ -406,12 +565,15 @@ class EBPOLearner:
         """Write model, optimizer, schedule position and RNG state under `path/`."""
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        if self.engine is not None:
+        if self.engine is not None:  # every rank writes its own shard
             self.engine.save_checkpoint(str(out / "deepspeed"), tag="state")
-        else:
+        elif self.rank == 0:  # torch backend: the ranks hold identical weights and optimizer states
             torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
                        out / "learner_state.pt")
-        torch.save(self._extra_state(), out / "learner_meta.pt")
+        if self.rank == 0:
+            torch.save(self._extra_state(), out / "learner_meta.pt")
+        if self.world_size > 1:
+            torch.distributed.barrier()  # the checkpoint is complete on return from every rank
 
     def load(self, path: str) -> None:
         """Restore what `save` wrote (same config and backend)."""

@@ -1,6 +1,7 @@
-"""The learner as a Ray actor: `RLTrainer` creates it with `ray.remote`; it builds the EBPO learner in its
-own process (so the driver never holds a model) and, with `ray.weight_sync=broadcast`, is rank 0 of the
-weight-sync group."""
+"""The learner as a Ray actor: `RLTrainer` creates one per learner rank (`ebpo.rl.learner_group`); each
+builds the EBPO learner in its own process (so the driver never holds a model). Rank 0 speaks for the
+group: it hosts the ranks' rendezvous, is rank 0 of the weight-sync group with `ray.weight_sync=broadcast`
+and writes the exported model."""
 from __future__ import annotations
 
 import os
@@ -13,19 +14,39 @@ from ebpo.infra.config import build
 class LearnerActor:
     """Builds the learner inside its own process (so the driver never holds a model) and forwards calls."""
 
-    def __init__(self, model_spec: str, learner_fields: dict, num_threads: int = 0):
+    def __init__(self, model_spec: str, learner_fields: dict, num_threads: int = 0, rank: int = 0):
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
-        from ebpo.rl.learner import EBPOLearner, LearnerConfig
-        from ebpo.model.loading import load_model
-
-        self.learner = EBPOLearner(load_model(model_spec), build(LearnerConfig, learner_fields, "learner."))
+        self.model_spec, self.fields, self.rank = model_spec, learner_fields, rank
+        self.world_size = int(learner_fields.get("num_workers", 1))
+        self.learner = None
         self.sync_group = None  # WeightBroadcastGroup (rank 0) with ray.weight_sync=broadcast
+        if self.world_size == 1:
+            self._build()
+
+    def rendezvous_endpoint(self) -> tuple[str, int]:
+        """(node IP, free port) for the learner group's torch.distributed rendezvous, hosted by this rank."""
+        return self.sync_endpoint()
+
+    def join_group(self, addr: str, port: int) -> None:
+        """Join the learner ranks' process group (gloo on CPU, NCCL on GPU) and build the learner; blocks
+        until every rank has joined. Each actor sees its own GPU (Ray sets CUDA_VISIBLE_DEVICES)."""
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(self.rank), LOCAL_RANK="0",
+                          WORLD_SIZE=str(self.world_size))
+        self._build()
+
+    def _build(self) -> None:
+        from ebpo.model.loading import load_model
+        from ebpo.rl.learner import EBPOLearner, LearnerConfig
+
+        self.learner = EBPOLearner(load_model(self.model_spec), build(LearnerConfig, self.fields, "learner."))
 
     def update(self, batch: dict) -> dict:
         return self.learner.update(batch)
 
     def state_dict_for_sync(self) -> dict:
-        return self.learner.state_dict_for_sync()
+        """Rank 0: the full weights; other ranks join the gather (ZeRO-3) and return {}."""
+        state = self.learner.state_dict_for_sync()
+        return state if self.rank == 0 else {}
 
     def weights_digest(self) -> dict:
         """SHA-256 and counts of `state_dict_for_sync()` (see `rollout.weight_sync.state_dict_digest`)."""
@@ -51,6 +72,9 @@ class LearnerActor:
 
     def broadcast_weights(self, version: int, bucket_bytes: int) -> dict:
         """Send `state_dict_for_sync()` as `version`; returns {"bytes", "buckets", "seconds"} of the send."""
+        if self.rank != 0:  # only rank 0 sends; the others join the ZeRO-3 gather of the weights
+            self.learner.state_dict_for_sync()
+            return {}
         if self.sync_group is None:
             raise RuntimeError("broadcast_weights: the learner is in no weight-sync group")
         stats = self.sync_group.send(self.learner.state_dict_for_sync(), version, bucket_bytes)
@@ -68,4 +92,7 @@ class LearnerActor:
         self.learner.load(path)
 
     def export(self, path: str) -> None:
-        self.learner.get_model().save_pretrained(path)
+        """Rank 0 writes the policy as a Hugging Face folder; with ZeRO-3 every rank joins the gather."""
+        state = self.learner.state_dict_for_sync()
+        if self.rank == 0:
+            self.learner.get_model().save_pretrained(path, state_dict=state)

@@ -20,6 +20,7 @@ import random
 import shutil
 import time
 from contextlib import contextmanager
+from typing import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,9 +28,10 @@ import torch
 
 from ebpo.infra.config import load_config, save_config, to_dict
 from ebpo.rl.learner_actor import LearnerActor
+from ebpo.rl.learner_group import LearnerGroup
 from ebpo.rl.batch import (build_learner_batch, filter_groups, first_groups, reward_metrics, rollout_metrics,
                        zero_std_groups)
-from ebpo.rl.config import RLConfig
+from ebpo.rl.config import RLConfig, model_block_size
 from ebpo.rl.sync_driver import WeightSyncDriver
 
 log = logging.getLogger("ebpo")
@@ -52,6 +54,42 @@ def _solved(result: dict, judges: list[str] | None = None) -> float:
     false`) are left out."""
     values = [v for n, v in result["rewards"].items() if v is not None and (judges is None or n in judges)]
     return float(bool(values) and all(v >= 1 - 1e-6 for v in values))
+
+
+def in_ray_job() -> bool:
+    """True inside the entrypoint of `ray job submit` (Ray sets this variable for the job's driver)."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def resolve_run_dir(run_dir: str | None, name: str) -> Path:
+    """The run directory as an absolute path: `run_dir`, or runs/NAME-TIME under the working directory.
+
+    Inside a Ray job the working directory is Ray's temporary copy of the uploaded folder, deleted with
+    the cluster session, so a relative (or default) run directory there would lose the checkpoints: it is
+    refused with a ConfigError naming trainer.run_dir."""
+    from ebpo.infra.config import ConfigError
+
+    path = Path(run_dir) if run_dir else Path(f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if in_ray_job() and not path.is_absolute():
+        raise ConfigError(f"trainer.run_dir: {str(path)!r} is relative, and this is a Ray job whose working "
+                          f"directory ({os.getcwd()}) is a temporary copy deleted with the cluster session; set "
+                          "trainer.run_dir (or trainer.resume) to an absolute path on storage every node can reach")
+    return path.resolve()
+
+
+def ray_init_kwargs(ray_cfg, warn: Callable[[str], None]) -> dict:
+    """Arguments of `ray.init`: with an address (an existing cluster) the embedded-instance settings
+    (`ray.num_cpus`) do not apply; Ray refuses them, so they are dropped with a warning."""
+    kwargs = {"address": ray_cfg.address, "include_dashboard": False, "log_to_driver": False,
+              "logging_level": logging.WARNING}
+    address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
+    if address and address != "local":
+        if ray_cfg.num_cpus is not None:
+            warn(f"ray.num_cpus={ray_cfg.num_cpus} only sizes an embedded local Ray instance; ignored when "
+                 f"connecting to the cluster at {address}")
+    else:
+        kwargs["num_cpus"] = ray_cfg.num_cpus
+    return kwargs
 
 
 class PromptSampler:
@@ -94,7 +132,6 @@ class RLTrainer:
 
         from rewards import RewardWorker
 
-        from ebpo.infra.data import load_rows
         from ebpo.model.loading import load_model_tokenizer, resolve_model_path
         from ebpo.infra.tracking import Tracker
 
@@ -102,14 +139,19 @@ class RLTrainer:
         self.ray = ray
         tc = cfg.trainer
         self.resume_dir = Path(tc.resume) if tc.resume else None
-        self.run_dir = self.resume_dir or Path(tc.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.run_dir = resolve_run_dir(tc.resume or tc.run_dir, cfg.name)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        log.warning("run directory: %s", self.run_dir)
+        print(f"ebpo: run directory {self.run_dir}", flush=True)
         save_config(cfg, self.run_dir / "config.yaml")
         self.learner_cfg = cfg.learner_config()  # fail now, not inside an actor
         self.model_spec = resolve_model_path(cfg.model)
+        for warning in cfg.check_against_model(model_block_size(self.model_spec)):  # block sizes, MBE
+            log.warning(warning)
         self.tokenizer = load_model_tokenizer(self.model_spec)
-        self.train_rows = load_rows(cfg.data.train)
-        self.eval_rows = load_rows(cfg.data.eval) if cfg.data.eval else []
+        self.data_metrics: dict[str, float] = {}  # over-long prompts dropped at load time (data.overlong_prompts)
+        self.train_rows = self._load_prompts(cfg.data.train, "train")
+        self.eval_rows = self._load_prompts(cfg.data.eval, "eval") if cfg.data.eval else []
         if tc.eval_size and self.eval_rows:
             self.eval_rows = self.eval_rows[: tc.eval_size]
         self.sampler = PromptSampler(self.train_rows, tc.seed, cfg.data.shuffle)
@@ -129,13 +171,14 @@ class RLTrainer:
             probe.dry_run(self._reward_sample(self.train_rows[0], ""))
 
         if not ray.is_initialized():
-            ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
-                     log_to_driver=False, logging_level=logging.WARNING)
+            ray.init(**ray_init_kwargs(cfg.ray, self._event))
         self._start_actors()
         run_id = None
         if self.resume_dir:
             run_id = self._restore()
         self.tracker = Tracker(self.run_dir, to_dict(cfg), project=tc.wandb_project, mode=tc.tracking, run_id=run_id)
+        if self.start_step == 0:
+            self.tracker.log(self.data_metrics, step=0)
 
     # ----------------------------------------------------------------------------------------- actors
     def _start_actors(self) -> None:
@@ -168,8 +211,10 @@ class RLTrainer:
                                                self._event) for i in range(cfg.rollout.num_workers)]
         self.reward_workers = [ResilientActor(f"reward-{i}", reward_factory, retries, self._event)
                                for i in range(cfg.reward.num_actors)]
-        self.learner = learner_cls.options(**placement(cfg.rollout.num_workers)).remote(
-            self.model_spec, asdict(self.learner_cfg), cfg.rollout.num_threads)
+        fields = asdict(self.learner_cfg)
+        self.learner = LearnerGroup(ray, lambda rank: learner_cls.options(**placement(cfg.rollout.num_workers + rank))
+                                    .remote(self.model_spec, fields, cfg.rollout.num_threads, rank=rank),
+                                    self.learner_cfg.num_workers)
         self.weights.attach(self.learner, self.rollout_workers)
 
     def _placement(self):
@@ -185,7 +230,8 @@ class RLTrainer:
         def bundle(gpus: float) -> dict:
             return {"CPU": 1.0, **({"GPU": gpus} if gpus > 0 else {})}
 
-        bundles = [bundle(cfg.ray.rollout_gpus)] * cfg.rollout.num_workers + [bundle(cfg.ray.learner_gpus)]
+        bundles = ([bundle(cfg.ray.rollout_gpus)] * cfg.rollout.num_workers
+                   + [bundle(cfg.ray.learner_gpus)] * self.learner_cfg.num_workers)
         self.placement_group = placement_group(bundles, strategy="STRICT_PACK", name=f"{cfg.name}-policy")
         if not self.placement_group.wait(timeout_seconds=120):
             raise RuntimeError(f"ray.colocate: the cluster cannot place {bundles} on one node within 120 s; "
@@ -203,8 +249,21 @@ class RLTrainer:
         if self.cfg.data.chat_template:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                       add_generation_prompt=True, tokenize=False)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids[-self.cfg.data.max_prompt_tokens:]
+        # never cut: rows with longer prompts were filtered (or refused) at load time, `_load_prompts`
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _load_prompts(self, source, split: str) -> list[dict]:
+        """Rows of `source` whose prompt fits data.max_prompt_tokens (data.overlong_prompts: filter | error)."""
+        from ebpo.infra.data import filter_overlong_prompts, load_rows
+
+        d = self.cfg.data
+        rows, dropped = filter_overlong_prompts(load_rows(source), lambda r: len(self.encode_prompt(r)),
+                                                d.max_prompt_tokens, d.overlong_prompts, f"data.{split}")
+        self.data_metrics[f"data/overlong_{split}_prompts"] = float(dropped)
+        if dropped:
+            log.warning(f"data.{split}: dropped {dropped} of {len(rows) + dropped} rows whose prompt is longer than "
+                        f"data.max_prompt_tokens = {d.max_prompt_tokens} tokens (data.overlong_prompts=filter)")
+        return rows
 
     def _reward_sample(self, row: dict, completion: str) -> dict:
         return {"prompt": row[self.cfg.data.prompt_field], "completion": completion, "answer": row.get("answer"),
@@ -282,9 +341,10 @@ class RLTrainer:
         if keep.any():
             idx = keep.nonzero().flatten().tolist()
             batch = build_learner_batch([prompt_ids[i] for i in idx], [samples[i]["token_ids"] for i in idx],
-                                        advantages[keep], group_ids[keep], pad_id=self.eos_id)
+                                        advantages[keep], group_ids[keep], pad_id=self.eos_id,
+                                        tail_ids=[samples[i].get("tail_ids", []) for i in idx])
             t0 = time.perf_counter()
-            metrics.update(self.ray.get(self.learner.update.remote(batch)))
+            metrics.update(self.learner.update(batch))
             train_tokens = int(batch["input_ids"].numel())
             metrics["perf/train_tokens_per_s"] = train_tokens / max(time.perf_counter() - t0, 1e-9)
             with timed("sync"):
@@ -323,8 +383,8 @@ class RLTrainer:
         tmp = ckpt_root / f".tmp_step_{step}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self.ray.get(self.learner.save.remote(str(tmp / "learner")))
-        self.ray.get(self.learner.export.remote(str(tmp / "model")))  # `ebpo export` reads this
+        self.learner.save(str(tmp / "learner"))  # every rank writes its part before the rename below
+        self.learner.export(str(tmp / "model"))  # `ebpo export` reads this
         self.tokenizer.save_pretrained(str(tmp / "model"))
         state = {"step": step, "sampler": self.sampler.state(), "version": self.weights.version,
                  "wandb_run_id": self.tracker.run_id, "events": self.events}
@@ -343,7 +403,7 @@ class RLTrainer:
             raise FileNotFoundError(f"trainer.resume: no checkpoint in {self.run_dir}/checkpoints")
         path = self.run_dir / "checkpoints" / latest.read_text().strip()
         state = json.loads((path / "trainer_state.json").read_text())
-        self.ray.get(self.learner.load.remote(str(path / "learner")))
+        self.learner.load(str(path / "learner"))
         self.sampler.restore(state["sampler"])
         self.start_step = state["step"]
         self.weights.version = state["version"]
@@ -394,7 +454,7 @@ class RLTrainer:
             ray.get([w.handle.close.remote() for w in self.reward_workers], timeout=30)
         except Exception:  # noqa: BLE001 (an actor that is already gone needs no closing)
             pass
-        for handle in [w.handle for w in self.rollout_workers + self.reward_workers] + [self.learner]:
+        for handle in [w.handle for w in self.rollout_workers + self.reward_workers] + self.learner.actors:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001

@@ -142,7 +142,11 @@ class SFTTrainer:
             load_training_state(path, self.optimizer, self.scheduler)
         load_training_state(path, None, None, {"noise": self.noise_gen})  # RNG, and the noise generator
         self.sampler.restore(state["sampler"])
-        self.pending = [list(g) for g in state.get("pending", [])]
+        by_rank = state.get("pending_by_rank", [state.get("pending", [])])
+        if len(by_rank) != self.world:
+            raise ValueError(f"trainer.resume: the checkpoint was written by {len(by_rank)} ranks, this run has "
+                             f"{self.world}; resume with the same number of ranks")
+        self.pending = [list(g) for g in by_rank[self.rank]]
         self.start_step = step
         return state.get("wandb_run_id")
 
@@ -169,7 +173,8 @@ class SFTTrainer:
             random.Random(self.cfg.trainer.seed * 7919 + self.sampler.epoch * 104729 + self.sampler.pos).shuffle(groups)
             self.pending = groups
         idx = self.pending.pop()
-        ids, resp = collate([self.examples[i] for i in idx], self.block_size, self.tokenizer.pad_token_id)
+        ids, resp = collate([self.examples[i] for i in idx], self.block_size, self.tokenizer.pad_token_id,
+                            eos_id=self.tokenizer.eos_token_id, mask_id=self.mask_id)
         return ids.to(self.device), resp.to(self.device)
 
     def loss_on(self, clean: torch.Tensor, response: torch.Tensor, generator: torch.Generator):
@@ -226,7 +231,8 @@ class SFTTrainer:
         ex = build_examples(self.cfg, self.tokenizer, rows)
         total, count = {}, 0
         for s in range(0, len(ex), self.cfg.trainer.batch_size):
-            ids, resp = collate(ex[s:s + self.cfg.trainer.batch_size], self.block_size, self.tokenizer.pad_token_id)
+            ids, resp = collate(ex[s:s + self.cfg.trainer.batch_size], self.block_size, self.tokenizer.pad_token_id,
+                                eos_id=self.tokenizer.eos_token_id, mask_id=self.mask_id)
             _, m, _ = self.loss_on(ids.to(self.device), resp.to(self.device), gen)
             for k in ("loss/total", "loss/m2t", "acc/m2t"):
                 if k in m:
@@ -259,7 +265,13 @@ class SFTTrainer:
 
     def save(self, step: int) -> Path:
         tc = self.cfg.trainer
-        state = {"sampler": self.sampler.state(), "pending": self.pending, "wandb_run_id": self.tracker.run_id}
+        pending = [self.pending]
+        if self.world > 1:  # each rank holds its own slice of the bucketed batches: keep them all
+            import torch.distributed as dist
+
+            pending = [None] * self.world
+            dist.all_gather_object(pending, self.pending)
+        state = {"sampler": self.sampler.state(), "pending_by_rank": pending, "wandb_run_id": self.tracker.run_id}
         if self.engine is not None:
             return save_checkpoint(self.run_dir, step, self.export_model(), extra_state=state, keep_last=tc.keep_last,
                                    tokenizer=self.tokenizer, generators={"noise": self.noise_gen},

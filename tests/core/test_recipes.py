@@ -37,3 +37,14 @@ def test_quickstart_judges_with_math_and_shapes_with_the_example_reward():
     cfg = load_config(RLConfig, ROOT / "recipes/quickstart.yaml")
     assert [(f.fn, f.judge) for f in cfg.reward.fns] == [
         ("math", True), ("examples/rewards/column_working.py:column_working", False)]
+
+
+def test_reward_timeout_must_outlast_the_code_reward_budget():
+    """The trainer's hard per-call kill (reward.timeout_s) shorter than the code reward's own deadlines
+    would kill honest slow programs as hung calls: refused at start-up, naming both keys."""
+    from ebpo.infra.config import ConfigError
+
+    code = ROOT / "recipes" / "quickstart_code.yaml"
+    with pytest.raises(ConfigError, match=r"reward\.timeout_s.*reward\.fns\[0\]\.kwargs\.total_timeout_s"):
+        load_config(RLConfig, code, ["reward.timeout_s=10"])
+    load_config(RLConfig, code, ["reward.timeout_s=10", "reward.fns=[{fn: code, kwargs: {total_timeout_s: 4}}]"])

@@ -117,3 +117,34 @@ def test_deepspeed_zero2_on_cpu_with_resume(data, tmp_path):
     m = read_metrics(part)
     assert [r["step"] for r in m] == [1, 2, 3, 4]
     assert (part / "checkpoints" / "step_4" / "deepspeed").is_dir()
+
+
+def _torchrun(data, run_dir, *extra, nproc=2):
+    import os
+    import subprocess
+    import sys
+
+    from ebpo.infra.distributed import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           "-m", "ebpo.cli", "train", "recipes/sft_tiny.yaml",
+           *args(data, run_dir, "trainer.backend=deepspeed", "trainer.steps=6", "trainer.save_every=3", *extra)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_two_rank_deepspeed_sft_checkpoints_and_resumes_exactly(data, tmp_path):
+    """Two ranks checkpoint without racing on the temporary folder, and a resumed run repeats the
+    uninterrupted one (both ranks restore their own noise generators)."""
+    _torchrun(data, tmp_path / "full")
+    _torchrun(data, tmp_path / "staged", "trainer.stop_after=3")
+    ckpt = tmp_path / "staged" / "checkpoints" / "step_3"
+    assert (ckpt / "rng_rank0.pt").exists() and (ckpt / "rng_rank1.pt").exists()
+    assert not list((tmp_path / "staged" / "checkpoints").glob(".tmp_*"))
+    _torchrun(data, tmp_path / "staged", f"trainer.resume={tmp_path / 'staged'}")
+    full = {r["step"]: r for r in read_metrics(tmp_path / "full")}
+    resumed = {r["step"]: r for r in read_metrics(tmp_path / "staged")}
+    for step in (4, 5, 6):
+        assert resumed[step]["loss/total"] == pytest.approx(full[step]["loss/total"], rel=1e-5), step

@@ -1,0 +1,282 @@
+"""EBPOLearner.update against references that share none of its code paths.
+
+* the separate old pass (mu > 1 or several minibatches) at a vanishing learning rate: log-ratio exactly 0;
+* the off-policy update (mu = 2, three minibatches) against a hand-written PPO/AdamW loop that scores
+  each block by its own forward (no `all_composites`, no `ebpo_loss`, no `torch.optim`);
+* the `likelihood/*` metrics against a plain loop;
+* the KL penalty at -100 nats and non-finite steps: no NaN reaches the weights.
+"""
+import copy
+import math
+
+import pytest
+import torch
+
+from ebpo.core.algos import kl_estimate
+from ebpo.core.likelihood import draw_noise
+from ebpo.rl.learner import EBPOLearner, LearnerConfig
+
+EOS, MASK = 1, 2
+
+
+def six_batch():
+    """Three prompts x two responses of different lengths (some end inside a block, one spans 4 blocks)."""
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    responses = [[[20, 21, 22, 23, 24, EOS], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, EOS]],
+                 [[40, 41, 42, EOS], [50, 51, 52, 53, 54, 55, EOS]],
+                 [[60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, EOS], [80, EOS]]]
+    rows = [(p, r) for p, rs in zip(prompts, responses) for r in rs]
+    L = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), L), EOS, dtype=torch.long)
+    resp = torch.zeros(len(rows), L, dtype=torch.bool)
+    for i, (p, r) in enumerate(rows):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        resp[i, len(p): len(p) + len(r)] = True
+    adv = torch.tensor([1.0, -1.0, -0.7, 0.7, 1.2, -1.2])
+    return {"input_ids": ids, "prompt_lens": torch.tensor([len(p) for p, _ in rows]), "response_mask": resp,
+            "advantages": adv, "group_ids": torch.arange(3).repeat_interleave(2)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Plain references: one forward per (sequence, draw, block), full logits, textbook PPO, hand-written AdamW
+# ----------------------------------------------------------------------------------------------------
+
+def block_terms(model, ids_row, masked, weight, K):
+    """Per-block terms [(block index, (1/t) sum of log p over the block's masked tokens)] of one draw."""
+    out = []
+    L = ids_row.shape[0]
+    for b0 in range(0, L, K):
+        m = masked[b0:b0 + K]
+        if not m.any():
+            continue
+        block = ids_row[b0:b0 + K].clone()
+        block[m] = MASK
+        x = torch.cat([ids_row[:b0], block])[None]
+        logp = model(x).logits[0, b0:].float().log_softmax(-1)  # the model's default mask is block-causal
+        js = m.nonzero().flatten()
+        out.append((b0 // K, (logp[js, ids_row[b0 + js]] * weight[b0 + js]).sum()))
+    return out
+
+
+def plain_composites(model, ids, noise, rows):
+    """C (len(rows), N): sum over blocks of one draw's terms, each block scored by its own forward."""
+    K, N = noise.block_size, noise.n_draws
+    return torch.stack([torch.stack([sum(v for _, v in block_terms(model, ids[i], noise.masked[n, i],
+                                                                   noise.weight[n, i], K))
+                                     for n in range(N)]) for i in rows])
+
+
+def textbook_ppo_loss(cur, old, adv, eps_low, eps_high, dual):
+    log_rho = (cur - old).mean(1)
+    rho = log_rho.exp()
+    obj = torch.minimum(rho * adv, rho.clamp(1 - eps_low, 1 + eps_high) * adv)
+    obj = torch.where(adv < 0, torch.maximum(obj, dual * adv), obj)
+    clip_low = ((adv < 0) & (rho < 1 - eps_low)).float().mean()
+    clip_high = ((adv >= 0) & (rho > 1 + eps_high)).float().mean()
+    clip_dual = ((adv < 0) & (rho > dual)).float().mean()
+    return -obj.mean(), log_rho.detach(), (float(clip_low), float(clip_high), float(clip_dual))
+
+
+class PlainAdamW:
+    """AdamW written out (torch's update: m/(1-b1^t) / (sqrt(v)/sqrt(1-b2^t) + eps)), weight decay 0."""
+
+    def __init__(self, params, lr, betas, eps=1e-8):
+        self.params, self.lr, (self.b1, self.b2), self.eps = list(params), lr, betas, eps
+        self.state = {}
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params:
+            if p.grad is None:
+                continue
+            s = self.state.setdefault(p, {"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)})
+            s["t"] += 1
+            s["m"] = self.b1 * s["m"] + (1 - self.b1) * p.grad
+            s["v"] = self.b2 * s["v"] + (1 - self.b2) * p.grad * p.grad
+            m_hat = s["m"] / (1 - self.b1 ** s["t"])
+            denom = s["v"].sqrt() / math.sqrt(1 - self.b2 ** s["t"]) + self.eps
+            p -= self.lr * m_hat / denom
+            p.grad = None
+
+
+def clip_grads(params, max_norm):
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+    return norm
+
+
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("noise", ["bernoulli", "exact_elbo"])
+@pytest.mark.parametrize("packed,cached,replay,mu,mbs,budget", [
+    (True, True, True, 2, 0, 0),      # mu = 2 over one minibatch
+    (True, True, True, 1, 2, 0),      # one epoch, three minibatches
+    (True, False, True, 2, 2, 0),     # packed no-grad pass
+    (False, False, True, 2, 2, 0),    # unpacked
+    (False, False, False, 2, 2, 0),   # direct backprop
+    (True, True, True, 2, 2, 24),     # token-budget micro-batches
+])
+def test_separate_old_pass_gives_log_ratio_exactly_zero(small_model, noise, packed, cached, replay, mu, mbs, budget):
+    """The old composites come from their own no-grad pass; at a vanishing learning rate the weights do not
+    move, so every step's current composites must equal them bit for bit: log-ratio exactly 0, no clip.
+    Misaligned rows, different draws or a different scoring path for old and current would all show."""
+    batch = six_batch()
+    cfg = LearnerConfig(lr=1e-30, n_draws=3, mu=mu, minibatch_size=mbs, packed=packed, nograd_cached=cached,
+                        grad_replay=replay, max_tokens_per_microbatch=budget, noise=noise, seed=4)
+    learner = EBPOLearner(copy.deepcopy(small_model), cfg)
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    m = learner.update(batch)
+    assert m["timing_s/old_logprob"] > 0, "the separate old pass must run"
+    assert m["actor/log_ratio_mean"] == 0.0 and m["actor/log_ratio_max"] == 0.0
+    assert m["actor/clipfrac_low"] == m["actor/clipfrac_high"] == m["actor/clipfrac_dual"] == 0.0
+    assert m["actor/grad_norm"] > 0 and m["actor/nonfinite_steps"] == 0
+    after = learner.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "lr 1e-30 must leave the weights as they were"
+
+
+@pytest.mark.parametrize("noise", ["bernoulli", "exact_elbo"])
+def test_off_policy_update_matches_hand_written_ppo_adamw(small_model, noise):
+    """mu = 2 epochs over three minibatches of two sequences: six optimizer steps, the last five off-policy."""
+    batch = six_batch()
+    cfg = LearnerConfig(lr=3e-3, n_draws=2, mu=2, minibatch_size=2, grad_clip=0.5, eps_low=0.1, eps_high=0.1,
+                        dual_clip=1.5, noise=noise, seed=11)
+    learner = EBPOLearner(copy.deepcopy(small_model), cfg)
+    m = learner.update(batch)
+
+    ref = copy.deepcopy(small_model).train()
+    ids, resp, adv = batch["input_ids"], batch["response_mask"], batch["advantages"]
+    K = ref.config.block_size
+    gen = torch.Generator().manual_seed(cfg.seed)  # the learner's draws: noise, minibatch split, epoch orders
+    noise_draws = draw_noise(resp, K, cfg.n_draws, cfg.t_min, cfg.t_max, gen, form=noise)
+    minibatches = torch.randperm(6, generator=gen).split(2)
+    with torch.no_grad():
+        old = plain_composites(ref, ids, noise_draws, range(6))
+    params = [p for p in ref.parameters() if p.requires_grad]
+    opt = PlainAdamW(params, cfg.lr, tuple(cfg.betas))
+    steps = []
+    for _ in range(cfg.mu):
+        for j in torch.randperm(3, generator=gen).tolist():
+            rows = minibatches[j].tolist()
+            cur = plain_composites(ref, ids, noise_draws, rows)
+            loss, log_rho, clips = textbook_ppo_loss(cur, old[rows], adv[rows], cfg.eps_low, cfg.eps_high,
+                                                     cfg.dual_clip)
+            loss.backward()
+            norm = clip_grads(params, cfg.grad_clip)
+            opt.step()
+            steps.append((float(loss.detach()), float(log_rho.abs().max()), clips, norm))
+
+    n = len(steps)
+    assert n == 6
+    assert m["actor/pg_loss"] == pytest.approx(sum(s[0] for s in steps) / n, rel=1e-3, abs=1e-5)
+    assert m["actor/log_ratio_max"] == pytest.approx(max(s[1] for s in steps), rel=1e-3, abs=1e-5)
+    assert m["actor/grad_norm"] == pytest.approx(sum(s[3] for s in steps) / n, rel=1e-3)
+    for i, key in enumerate(("clipfrac_low", "clipfrac_high", "clipfrac_dual")):
+        assert m[f"actor/{key}"] == pytest.approx(sum(s[2][i] for s in steps) / n, abs=1e-9), key
+    assert sum(sum(s[2]) for s in steps) > 0, "the reference must exercise the clip"
+    assert max(s[1] for s in steps) > 0.05, "later steps must be off-policy"
+    for (name, p), q in zip(learner.model.named_parameters(), ref.parameters()):
+        # six Adam steps: elements with near-zero gradients amplify float noise of the two summation
+        # orders (Adam divides by sqrt(v) ~ |g|), so the tolerance is a fraction of one step, not 1e-7
+        torch.testing.assert_close(p, q, atol=0.05 * cfg.lr, rtol=0, msg=name)
+    moved = max(float((p - q0).abs().max()) for p, q0 in zip(ref.parameters(), small_model.parameters()))
+    assert moved > 3 * cfg.lr
+
+
+@pytest.mark.parametrize("mu,mbs", [(1, 0), (2, 2)])  # on-policy shortcut, separate old pass
+def test_likelihood_metrics_match_plain_loop(small_model, mu, mbs):
+    batch = six_batch()
+    cfg = LearnerConfig(lr=1e-3, n_draws=3, mu=mu, minibatch_size=mbs, seed=9)
+    learner = EBPOLearner(copy.deepcopy(small_model), cfg)
+    m = learner.update(batch)
+
+    ids, resp = batch["input_ids"], batch["response_mask"]
+    K = small_model.config.block_size
+    noise = draw_noise(resp, K, cfg.n_draws, cfg.t_min, cfg.t_max, torch.Generator().manual_seed(cfg.seed))
+    per_token_blocks, seq, per_token_seq = [], [], []
+    with torch.no_grad():
+        for i in range(ids.shape[0]):
+            sums = {}
+            for n in range(cfg.n_draws):
+                for b, v in block_terms(small_model, ids[i], noise.masked[n, i], noise.weight[n, i], K):
+                    sums[b] = sums.get(b, 0.0) + float(v) / cfg.n_draws
+            for b, v in sums.items():
+                per_token_blocks.append(v / int(resp[i, b * K:(b + 1) * K].sum()))
+            seq.append(sum(sums.values()))
+            per_token_seq.append(seq[-1] / int(resp[i].sum()))
+    tol = dict(rel=1e-4, abs=1e-4)
+    assert m["likelihood/block_per_token_mean"] == pytest.approx(sum(per_token_blocks) / len(per_token_blocks), **tol)
+    assert m["likelihood/block_per_token_min"] == pytest.approx(min(per_token_blocks), **tol)
+    assert m["likelihood/block_per_token_max"] == pytest.approx(max(per_token_blocks), **tol)
+    assert m["likelihood/elbo_seq_mean"] == pytest.approx(sum(seq) / len(seq), **tol)
+    assert m["likelihood/elbo_per_token_mean"] == pytest.approx(sum(per_token_seq) / len(seq), **tol)
+    assert m["likelihood/blocks_per_seq"] == pytest.approx(len(per_token_blocks) / len(seq))
+
+
+# ----------------------------------------------------------------------------------------------------
+# KL overflow and non-finite steps
+# ----------------------------------------------------------------------------------------------------
+
+def test_k3_is_bounded_below_minus_20_nats_and_exact_above():
+    d = torch.tensor([-100.0, -88.5, -25.0, -20.0, -5.0, 0.0, 3.0, 100.0], requires_grad=True)
+    k3 = kl_estimate(d, "k3")
+    k3.sum().backward()
+    assert torch.isfinite(k3).all() and torch.isfinite(d.grad).all()
+    plain = torch.expm1(-d.detach()) + d.detach()
+    assert not torch.isfinite(plain[:2]).all()  # what the unbounded form gave
+    above = d.detach() >= -20
+    assert torch.allclose(k3.detach()[above], plain[above], rtol=1e-6)
+    c = 20.0
+    tangent = (math.exp(c) - 1 - c) + (1 - math.exp(c)) * (d.detach()[~above] + c)
+    assert torch.allclose(k3.detach()[~above], tangent, rtol=1e-6)
+    assert torch.allclose(d.grad[~above], torch.full_like(d.grad[~above], 1 - math.exp(c)), rtol=1e-6)
+    assert (k3.detach() >= 0).all()
+
+
+def drift(model, scale):
+    """Multiply the LM head in place: the policy's log-probs of the batch fall by tens of nats per block."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(scale)
+
+
+def test_kl_penalty_at_minus_100_nats_keeps_weights_finite(small_model):
+    batch = six_batch()
+    learner = EBPOLearner(copy.deepcopy(small_model), LearnerConfig(lr=1e-3, n_draws=2, kl_beta=0.1, seed=1))
+    drift(learner.model, 40.0)  # policy drifted far from the frozen reference (the initial weights)
+    # the learner's draws (its generator's first use): log pi - log pi_ref far below -88 nats, where plain
+    # k3 is inf, the loss inf and the gradient NaN
+    noise = draw_noise(batch["response_mask"], 4, 2, 0.1, 1.0, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cur = plain_composites(learner.model, batch["input_ids"], noise, range(6)).mean(1)
+        ref = plain_composites(learner.ref_model, batch["input_ids"], noise, range(6)).mean(1)
+    assert (cur - ref).min() < -100
+    m = learner.update(batch)
+    assert math.isfinite(m["actor/kl"]) and m["actor/kl"] > 0 and math.isfinite(m["actor/grad_norm"])
+    assert m["actor/nonfinite_steps"] == 0
+    assert all(torch.isfinite(p).all() for p in learner.model.parameters())
+
+
+def test_nonfinite_loss_or_gradient_skips_the_step(small_model):
+    batch = six_batch()
+    cfg = LearnerConfig(lr=1e-3, n_draws=2, mu=1, minibatch_size=2, seed=2)  # three steps per update
+    learner = EBPOLearner(copy.deepcopy(small_model), cfg)
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    bad = dict(batch, advantages=batch["advantages"].clone())
+    bad["advantages"][:] = float("nan")  # every minibatch's loss is NaN
+    m = learner.update(bad)
+    assert m["actor/nonfinite_steps"] == 3
+    after = learner.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step must not touch the weights"
+    assert not learner.optimizer.state, "nor Adam's moments"
+    # a finite loss whose gradient is NaN: skipped too
+    head = learner.model.get_output_embeddings().weight
+    hook = head.register_hook(lambda g: g * float("nan"))
+    m = learner.update(batch)
+    hook.remove()
+    assert m["actor/nonfinite_steps"] == 3 and math.isfinite(m["actor/pg_loss"])
+    assert all(torch.isfinite(p).all() for p in learner.model.parameters())
+    m = learner.update(batch)  # and training goes on
+    assert m["actor/nonfinite_steps"] == 0
+    assert any(not torch.equal(before[k], v) for k, v in learner.model.state_dict().items())

@@ -1,0 +1,135 @@
+"""A data-parallel learner group: W ranks (processes with a gloo group) compute the update of one rank on
+the whole batch. Each variant runs in fresh processes (`torch.multiprocessing.spawn`) so that no default
+process group leaks into the test process; the reference is the same code at W = 1 with no token budget."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ebpo.model import LLaDA2MoeModelLM, tiny_config
+from ebpo.rl.sharding import balance_by_tokens, loss_weight, padded_lengths, token_microbatches
+
+
+
+def _model():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LLaDA2MoeModelLM(tiny_config(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                            moe_intermediate_size=32, num_attention_heads=2,
+                                            num_key_value_heads=1, block_size=4, initializer_range=0.2))
+
+
+def _batch(model, B=8, seed=1):
+    """Prompts of 3-6 tokens and responses of 1-24 tokens (lengths 8x apart), right-padded with EOS."""
+    g = torch.Generator().manual_seed(seed)
+    eos = model.config.eos_token_id
+    resp_lens = [1, 24, 3, 20, 2, 12, 6, 16][:B]
+    prompt_lens = torch.randint(3, 7, (B,), generator=g)
+    L = int(max(p + r for p, r in zip(prompt_lens.tolist(), resp_lens))) + 2
+    ids = torch.full((B, L), eos, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lens.tolist(), resp_lens)):
+        ids[i, : p + r] = torch.randint(0, eos, (p + r,), generator=g)
+        ids[i, p + r - 1] = eos  # the response ends with EOS
+    adv = torch.randn(B, generator=g)
+    return {"input_ids": ids, "prompt_lens": prompt_lens, "advantages": adv}
+
+
+def _worker(rank, world, port, fields, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from ebpo.rl.learner import EBPOLearner, LearnerConfig
+
+    learner = EBPOLearner(_model(), LearnerConfig(num_workers=world, **fields))
+    batch = _batch(learner.get_model() if fields.get("backend") != "deepspeed" else _model())
+    metrics = [learner.update(batch) for _ in range(2)]
+    state = {k: v.float() for k, v in learner.state_dict_for_sync().items()}
+    if rank == 0:
+        torch.save({"state": state, "metrics": metrics}, out_path)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(world, fields, tmp_path, name):
+    out = tmp_path / f"{name}.pt"
+    mp.spawn(_worker, args=(world, _free_port(), fields, str(out)), nprocs=world, join=True)
+    return torch.load(out, weights_only=False)
+
+
+BASE = dict(lr=1e-2, n_draws=2, mu=2, minibatch_size=4, seed=3, kl_beta=0.0)
+
+
+def _assert_same_update(a, b, atol=0.01 * BASE["lr"]):
+    """Same weights (within 1% of one AdamW step: Adam divides near-zero gradients by their own size, so
+    reduction-order noise there moves a handful of weights by a fraction of a step) and same metrics; the
+    gradient norm catches a normalisation error, which Adam alone would hide (it is scale invariant)."""
+    for k, v in a["state"].items():
+        assert torch.allclose(v, b["state"][k], atol=atol, rtol=1e-5), (k, (v - b["state"][k]).abs().max())
+    for ma, mb in zip(a["metrics"], b["metrics"]):
+        for k in ("actor/pg_loss", "actor/log_ratio_mean", "actor/grad_norm", "likelihood/elbo_seq_mean",
+                  "likelihood/block_per_token_mean"):
+            assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-5), k
+
+
+def test_sharding_plans_are_balanced_deterministic_and_cover_every_row():
+    tokens = torch.tensor([4, 32, 8, 28, 4, 16, 8, 20])
+    rows = torch.tensor([5, 0, 7, 3, 1, 6, 2, 4])
+    shares = balance_by_tokens(rows, tokens, 2)
+    assert sorted(torch.cat(shares).tolist()) == sorted(rows.tolist())
+    loads = [int(tokens[s].sum()) for s in shares]
+    assert abs(loads[0] - loads[1]) <= int(tokens.max())  # greedy longest-first bound
+    # every rank keeps the minibatch's own order of its rows
+    for share in shares:
+        pos = [rows.tolist().index(r) for r in share.tolist()]
+        assert pos == sorted(pos)
+    assert balance_by_tokens(rows, tokens, 1)[0] is rows
+    micro = token_microbatches(rows, tokens, budget=40)
+    assert sorted(torch.cat(micro).tolist()) == sorted(rows.tolist())
+    for m in micro:  # within budget unless a single row is longer than it
+        assert len(m) == 1 or len(m) * int(tokens[m].max()) <= 40
+    assert token_microbatches(rows, tokens, 0)[0] is rows
+    assert padded_lengths(torch.tensor([1, 4, 5]), 4).tolist() == [4, 4, 8]
+    assert loss_weight(4, 4) == 1.0 and loss_weight(1, 4) == 0.25
+
+
+@pytest.mark.parametrize("budget", [0, 48])
+def test_two_ranks_equal_one_rank_torch_backend(tmp_path, budget):
+    one = run_group(1, BASE, tmp_path, "w1")
+    two = run_group(2, {**BASE, "max_tokens_per_microbatch": budget}, tmp_path, f"w2_{budget}")
+    _assert_same_update(one, two)
+
+
+def test_token_budget_alone_gives_the_same_update(tmp_path):
+    one = run_group(1, BASE, tmp_path, "w1")
+    micro = run_group(1, {**BASE, "max_tokens_per_microbatch": 24}, tmp_path, "w1_micro")
+    _assert_same_update(one, micro)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_equal_one_rank_deepspeed(tmp_path, stage):
+    pytest.importorskip("deepspeed")
+    fields = {**BASE, "backend": "deepspeed", "zero_stage": stage}
+    one = run_group(1, fields, tmp_path, f"ds{stage}_w1")
+    two = run_group(2, {**fields, "max_tokens_per_microbatch": 48}, tmp_path, f"ds{stage}_w2")
+    _assert_same_update(one, two)
+
+
+def test_bf16_first_step_ratio_is_exactly_one_and_finite():
+    from ebpo.rl.learner import EBPOLearner, LearnerConfig
+
+    model = _model()
+    learner = EBPOLearner(model, LearnerConfig(dtype="bf16", lr=1e-12, n_draws=2, mu=2, minibatch_size=4, seed=0))
+    m = learner.update(_batch(model))
+    assert m["actor/log_ratio_mean"] == 0.0 and m["actor/log_ratio_max"] == 0.0
+    assert all(torch.isfinite(torch.tensor(v)) for v in m.values())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
