@@ -11,6 +11,11 @@ Reported: train tokens/s (real prompt+response tokens of the batch per second of
 rounds), peak RSS per rank (MiB, `ru_maxrss`) and the ratios budget/padded and w2/w1. On a 2-core machine
 two ranks share the cores that one rank already uses: the W ratio says what the split costs, not what
 a cluster gains.
+
+`--precision` instead measures what bf16 does to the EBPO log-ratio: the sequence composites (mean over
+draws) of the same weights and noise draws computed with the body in bf16 (the learner's `dtype=bf16`
+path: autocast, fp32 head and sums) and in fp32, for responses of 256 and 2048 tokens; the rms difference
+is the log-ratio error a bf16 learner sees at ratio 1 if old and current took different code paths.
 """
 from __future__ import annotations
 
@@ -96,6 +101,29 @@ def measure(args, world: int, budget: int) -> dict:
             "seconds_min": min(r["seconds"]), "seconds_max": max(r["seconds"]), "peak_rss_mib": r["peak_rss_mib"]}
 
 
+def precision_error(args, lengths=(256, 2048), batch: int = 4) -> dict:
+    """{length: rms over sequences of C_bf16 - C_fp32 (nats)} for responses of `length` tokens."""
+    from ebpo.core.likelihood import all_composites, draw_noise
+    from ebpo.rl.learner import _autocast, _Forward
+
+    torch.set_num_threads(args.threads)
+    model = _model(args).eval()
+    c = model.config
+    out = {}
+    for n in lengths:
+        b = _batch(batch, n, c.vocab_size, c.eos_token_id, c.mask_token_id)
+        ids = b["input_ids"]
+        resp = torch.zeros_like(ids, dtype=torch.bool)
+        resp[:, 8:] = ids[:, 8:] != c.eos_token_id
+        noise = draw_noise(resp, args.block_size, args.n_draws, 0.1, 1.0, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            fp32 = all_composites(_Forward(model, model), ids, noise, c.mask_token_id, cached=True).mean(1)
+            bf16 = all_composites(_Forward(_autocast(model, "cpu"), model), ids, noise, c.mask_token_id,
+                                  cached=True).mean(1)
+        out[n] = float((bf16 - fp32).pow(2).mean().sqrt())
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ebpo bench learner", description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=16, help="sequences per update (one minibatch)")
@@ -108,8 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--skip-w2", action="store_true", help="only the single-rank configurations")
+    p.add_argument("--precision", action="store_true", help="bf16 vs fp32 log-ratio error at 256 / 2048 tokens")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    if args.precision:
+        err = precision_error(args)
+        for n, e in err.items():
+            print(f"response {n:>5} tokens: rms |C_bf16 - C_fp32| = {e:.4f} nats (clip window ln 1.28 = 0.247)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"config": vars(args), "rms_nats": err}, f, indent=1)
+        return 0
     budget = args.budget or 4 * (8 + args.length + args.block_size)
     configs = {"padded": (1, 0), "budget": (1, budget)}
     if not args.skip_w2:

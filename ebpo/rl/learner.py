@@ -75,6 +75,9 @@ class LearnerConfig:
     dtype: Literal["fp32", "bf16"] = doc("compute dtype of the policy forward: bf16 autocast (torch) or bf16 "
                                          "weights with fp32 master copies (deepspeed); the LM head, log-softmax "
                                          "and every composite sum stay in fp32", "fp32")
+    gradient_checkpointing: bool = doc("recompute each layer's activations in the backward (memory per token "
+                                       "falls from all layers' activations to one layer's plus the layer "
+                                       "inputs; about one extra forward of compute)", False)
     max_tokens_per_microbatch: int = doc("token budget of one forward/backward on a rank: rows x their longest "
                                          "length (rounded up to whole blocks), rows sorted by length so padding "
                                          "stays small; 0 = a rank's whole share of a minibatch at once", 0)
@@ -187,6 +190,8 @@ class EBPOLearner:
         self.block_size = cfg.block_size or base.config.block_size
         self.mask_id = base.config.mask_token_id
         self.eos_id = base.config.eos_token_id
+        if cfg.gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.backend == "torch":
             dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             base = base.to(dev)

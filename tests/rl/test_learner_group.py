@@ -133,3 +133,19 @@ def test_bf16_first_step_ratio_is_exactly_one_and_finite():
     assert m["actor/log_ratio_mean"] == 0.0 and m["actor/log_ratio_max"] == 0.0
     assert all(torch.isfinite(torch.tensor(v)) for v in m.values())
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_gradient_checkpointing_gives_the_same_update():
+    from ebpo.rl.learner import EBPOLearner, LearnerConfig
+
+    states = []
+    for ckpt in (False, True):
+        model = _model()
+        learner = EBPOLearner(model, LearnerConfig(gradient_checkpointing=ckpt, **BASE))
+        assert getattr(model, "is_gradient_checkpointing", False) == ckpt
+        m = learner.update(_batch(model))
+        states.append(({k: v.clone() for k, v in model.state_dict().items()}, m))
+    (a, ma), (b, mb) = states
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
+    assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-5)
