@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+class LearnerRankDied(RuntimeError):
+    """A learner rank's actor died (or failed) during a group call; the group's other ranks were stopped,
+    since they would wait for it in a collective until the process group's timeout."""
+
+
 ALL_RANKS = ("update", "save", "load", "export", "state_dict_for_sync", "broadcast_weights", "weights_digest")
 RANK_ZERO = ("sync_endpoint", "join_sync_group", "close_sync_group")
 
@@ -46,11 +51,29 @@ class LearnerGroup:
         raise AttributeError(name)
 
     def call(self, name: str, *args) -> Any:
-        """Run `name(*args)` on every rank, wait for all, return rank 0's result (a rank's error is raised)."""
+        """Run `name(*args)` on every rank, wait for all, return rank 0's result. If any rank fails, the
+        others are killed at once (they would hang in a collective) and `LearnerRankDied` is raised."""
         self.wait_pending()
         if args and self.world_size > 1:
             args = tuple(self.ray.put(a) if isinstance(a, dict) else a for a in args)  # one copy for all ranks
-        return self.ray.get([getattr(a, name).remote(*args) for a in self.actors])[0]
+        refs = [getattr(a, name).remote(*args) for a in self.actors]
+        waiting = list(refs)
+        while waiting:
+            done, waiting = self.ray.wait(waiting, num_returns=1)
+            try:
+                self.ray.get(done)
+            except Exception as err:  # noqa: BLE001 (actor death or an exception inside a rank: both end the group)
+                self.kill()
+                raise LearnerRankDied(f"learner rank {refs.index(done[0])} failed in {name}: {err}") from err
+        return self.ray.get(refs[0])
+
+    def kill(self) -> None:
+        """Stop every rank (no restart); the group cannot be used afterwards."""
+        for a in self.actors:
+            try:
+                self.ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
 
     def update(self, batch: dict) -> dict:
         return self.call("update", batch)

@@ -28,7 +28,7 @@ import torch
 
 from ebpo.infra.config import load_config, save_config, to_dict
 from ebpo.rl.learner_actor import LearnerActor
-from ebpo.rl.learner_group import LearnerGroup
+from ebpo.rl.learner_group import LearnerGroup, LearnerRankDied
 from ebpo.rl.batch import (build_learner_batch, filter_groups, first_groups, reward_metrics, rollout_metrics,
                        zero_std_groups)
 from ebpo.rl.config import RLConfig, model_block_size
@@ -162,6 +162,7 @@ class RLTrainer:
         self.judge_names = [n for n, f in zip(self.reward_names, cfg.reward.fns) if f.judge]
         self.events: list[str] = []
         self.start_step = 0
+        self.learner_restarts = 0
         self.weights = WeightSyncDriver(self.ray, cfg.ray, self._event)  # learner -> rollout workers
         self.eos_id = self.tokenizer.eos_token_id
 
@@ -212,9 +213,10 @@ class RLTrainer:
         self.reward_workers = [ResilientActor(f"reward-{i}", reward_factory, retries, self._event)
                                for i in range(cfg.reward.num_actors)]
         fields = asdict(self.learner_cfg)
-        self.learner = LearnerGroup(ray, lambda rank: learner_cls.options(**placement(cfg.rollout.num_workers + rank))
-                                    .remote(self.model_spec, fields, cfg.rollout.num_threads, rank=rank),
-                                    self.learner_cfg.num_workers)
+        self._new_learner_group = lambda: LearnerGroup(
+            ray, lambda rank: learner_cls.options(**placement(cfg.rollout.num_workers + rank)).remote(
+                self.model_spec, fields, cfg.rollout.num_threads, rank=rank), self.learner_cfg.num_workers)
+        self.learner = self._new_learner_group()
         self.weights.attach(self.learner, self.rollout_workers)
 
     def _placement(self):
@@ -351,7 +353,8 @@ class RLTrainer:
                 metrics.update(self.sync_weights())
         metrics.update(times)
         metrics["timing_s/step"] = time.perf_counter() - t_step
-        metrics["faults/restarts"] = float(sum(w.restarts for w in self.rollout_workers + self.reward_workers))
+        metrics["faults/restarts"] = float(sum(w.restarts for w in self.rollout_workers + self.reward_workers)
+                                           + self.learner_restarts)
         table = [[rows[i // G][cfg.data.prompt_field], samples[i]["text"], float(scores[i]), samples[i]["tpf"]]
                  for i in range(0, len(samples), max(1, len(samples) // max(cfg.trainer.samples_per_step, 1)))]
         self.tracker.log_table("samples", ["prompt", "completion", "reward", "tpf"],
@@ -424,8 +427,16 @@ class RLTrainer:
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
         with Progress(*columns, disable=not tc.progress, transient=False) as progress:
             task = progress.add_task("rl", total=tc.steps, completed=self.start_step, info="")
-            for step in range(self.start_step + 1, last + 1):
-                metrics = self.step(step)
+            step = self.start_step
+            while step < last:
+                step += 1
+                try:
+                    metrics = self.step(step)
+                except LearnerRankDied as err:
+                    step = self._rebuild_learner(err)
+                    history = [h for h in history if h["step"] <= step]  # the lost steps are redone
+                    progress.update(task, completed=step)
+                    continue
                 if self.eval_rows and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps):
                     metrics.update(self.evaluate())
                 self.tracker.log(metrics, step=step)
@@ -436,6 +447,30 @@ class RLTrainer:
                 if (tc.save_every and step % tc.save_every == 0) or step == last:
                     self.save(step)
         return history
+
+    def _rebuild_learner(self, err: Exception) -> int:
+        """A learner rank died: start a new learner group, restore it (and the sampler and weight version)
+        from the latest checkpoint, or from the initial policy if there is none, bring the rollout workers
+        to its weights, and return the step to continue after. Counted in faults/restarts; gives up after
+        trainer.max_retries rebuilds."""
+        self.learner_restarts += 1
+        if self.learner_restarts > self.cfg.trainer.max_retries:
+            raise RuntimeError(f"learner: {self.learner_restarts - 1} rebuilds already; giving up") from err
+        self._event(f"{err}; rebuilding the learner group from the latest checkpoint")
+        self.learner.kill()
+        if self.cfg.ray.weight_sync == "broadcast":
+            self.weights.close_group()
+        self.learner = self._new_learner_group()
+        self.weights.attach(self.learner, self.rollout_workers)
+        if (self.run_dir / "checkpoints" / "latest").exists():
+            events = self.events
+            self._restore()
+            self.events = events  # the checkpoint's list predates this failure
+            return self.start_step
+        self.sampler.restore({"epoch": 0, "position": 0})
+        self.start_step, self.weights.version = 0, 0
+        self.sync_weights()
+        return 0
 
     def close(self) -> None:
         """Plots, W&B finish, then the actors and the placement group are released (the Ray instance stays)."""
@@ -454,7 +489,8 @@ class RLTrainer:
             ray.get([w.handle.close.remote() for w in self.reward_workers], timeout=30)
         except Exception:  # noqa: BLE001 (an actor that is already gone needs no closing)
             pass
-        for handle in [w.handle for w in self.rollout_workers + self.reward_workers] + self.learner.actors:
+        self.learner.kill()
+        for handle in [w.handle for w in self.rollout_workers + self.reward_workers]:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001

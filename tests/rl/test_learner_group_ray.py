@@ -36,3 +36,26 @@ def test_two_learner_ranks_train_like_one_and_resume(ray_local, tmp_path, data):
     train(make_cfg(tmp_path, data, staged, *common, *two, "trainer.stop_after=2", "trainer.save_every=1"))
     train(make_cfg(tmp_path, data, staged, *common, *two, f"trainer.resume={staged}"))
     _assert_same(both[3], _steps(staged)[3])
+
+    # a learner rank killed at step 3: the group is rebuilt from the step-2 checkpoint, step 3 is redone
+    # and equals the uninterrupted run's; the run finishes and counts the restart
+    from ebpo.rl.learner_group import LearnerGroup
+
+    calls, update = {"n": 0}, LearnerGroup.update
+
+    def update_killing_rank_1_once(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            ray.kill(self.actors[1], no_restart=True)
+        return update(self, batch)
+
+    LearnerGroup.update = update_killing_rank_1_once
+    try:
+        killed = tmp_path / "killed"
+        trainer, history = train(make_cfg(tmp_path, data, killed, *common, *two, "trainer.save_every=1"))
+    finally:
+        LearnerGroup.update = update
+    assert calls["n"] == 4 and [h["step"] for h in history] == [1, 2, 3]
+    assert history[-1]["faults/restarts"] == 1.0
+    assert any("learner rank 1 failed" in e for e in trainer.events)
+    _assert_same(both[3], _steps(killed)[3])
