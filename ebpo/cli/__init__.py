@@ -35,9 +35,10 @@ BENCHMARKS = {
 }
 
 
-def _resolve(target: str):
-    module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)
+def resolve(target: str):
+    """The object named by "package.module:name", imported on first use (commands stay lazy)."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _add_commands(parser: argparse.ArgumentParser, table: dict, dest: str) -> dict:
@@ -65,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, rest = build_parser().parse_known_args(argv)
     if args.command == "bench":
-        return int(_resolve(BENCHMARKS[args.benchmark][0])(rest) or 0)
-    return int(_resolve(COMMANDS[args.command][0])(rest) or 0)
+        return int(resolve(BENCHMARKS[args.benchmark][0])(rest) or 0)
+    return int(resolve(COMMANDS[args.command][0])(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
 import yaml
 
+from ebpo.cli import resolve
 from ebpo.infra.config import ConfigError, describe, load_config, to_dict
 
 # kind -> (config dataclass, entry point taking (recipe, overrides)); imported only when used.
@@ -22,11 +22,6 @@ KINDS = {
     "sft": ("ebpo.sft.config:SFTConfig", "ebpo.sft.trainer:run"),
     "rl": ("ebpo.rl.config:RLConfig", "ebpo.rl.trainer:run"),
 }
-
-
-def _load(target: str):
-    module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,16 +64,16 @@ def main(argv: list[str]) -> int:
             if args.help and args.recipe:
                 kind = recipe_kind(args.recipe, args.overrides)
                 print(f"\nkeys of a {kind!r} recipe (dotted name (type, default): documentation):\n")
-                print("\n".join("  " + line for line in describe_keys(_load(KINDS[kind][0]))))
+                print("\n".join("  " + line for line in describe_keys(resolve(KINDS[kind][0]))))
             return 0 if args.help else 2
         kind = recipe_kind(args.recipe, args.overrides)
         config_cls, entry = KINDS[kind]
         if args.print_config:
-            cfg = load_config(_load(config_cls), args.recipe, args.overrides)
+            cfg = load_config(resolve(config_cls), args.recipe, args.overrides)
             resolved = cfg.resolved() if hasattr(cfg, "resolved") else to_dict(cfg)
             sys.stdout.write(yaml.safe_dump(resolved, sort_keys=False))
             return 0
-        _load(entry)(args.recipe, args.overrides)
+        resolve(entry)(args.recipe, args.overrides)
     except ConfigError as e:
         print(f"ebpo train: configuration error: {e}", file=sys.stderr)
         return 2
