@@ -45,27 +45,94 @@ def _run(model, prompts, config, seeds, batch: int) -> dict:
 _LAST_TOKENS: list[list[int]] = []  # the token ids of the latest `_run`, for the token-match check
 
 
-def _released_row(model, prompts, config, seeds, preset: str, ours) -> dict:
-    """The released-style loop (ebpo.bench.released: one prompt at a time, no cache, full forward and
-    logits every iteration) over the same prompts; `token_matches` counts sequences whose tokens equal
-    `ours` (the eager batch-B row's)."""
+def vs_released(model, prompts, config, seeds, preset: str, batch: int, compiled: bool, chunk: int = 8) -> dict:
+    """Our decoder against the released-style loop (`ebpo.bench.released`: one prompt at a time, no cache,
+    full forward and logits every iteration), interleaved so that a change in the machine's load hits
+    every contender alike: prompt by prompt, the released-style loop, our batch-1 decode (and the compiled
+    step's), and after every `chunk` prompts one decode of all prompts as one batch (and compiled).
+    Ratios: released seconds over ours, in total and per chunk of prompts (median, min, max). Compile
+    time is excluded (each compiled shape is compiled by an untimed decode first) and reported."""
+    import statistics
+
     import torch
 
     from ebpo.bench.released import released_style_generate
+    from rollout import generate
+    from rollout.compiled import canvas_length
 
-    ours = ours or []
-    t0 = time.perf_counter()
-    outs = [released_style_generate(model, p, config,
-                                    torch.Generator().manual_seed(int(s)) if config.temperature > 0 else None)
-            for p, s in zip(prompts, seeds)]
-    wall = time.perf_counter() - t0
-    tokens = len(outs) * config.max_new_tokens
-    matches = sum(a == b for a, b in zip(outs, ours)) if len(ours) == len(outs) else None
-    print(f"  {preset:8s} released-style loop, one prompt at a time, no cache: {tokens / wall:9.1f} tok/s  "
-          f"({matches}/{len(outs)} sequences with our tokens)", flush=True)
-    return {"preset": preset, "batch": 1, "cache": False, "released_style": True, "wall_s": wall, "tokens": tokens,
-            "tokens_per_s": tokens / wall, "tpf": float("nan"), "forwards_per_seq": float("nan"),
-            "edits_per_seq": float("nan"), "token_matches": matches}
+    n = len(prompts)
+    M = config.max_new_tokens
+    K = config.block_size or model.config.block_size
+    comp = config.replace(compiled_step=True)
+    compile_s = 0.0
+    if compiled:
+        t0 = time.perf_counter()
+        shapes = {}
+        for i, p in enumerate(prompts):
+            shapes.setdefault(canvas_length([len(p)], M, K), i)
+        for i in shapes.values():
+            generate(model, prompts[i:i + 1], comp, seeds=seeds[i:i + 1])
+        generate(model, prompts[:batch], comp, seeds=seeds[:batch])
+        compile_s = time.perf_counter() - t0
+
+    def gen(cfg, s, e):
+        t0 = time.perf_counter()
+        outs = generate(model, prompts[s:e], cfg, seeds=seeds[s:e])
+        return time.perf_counter() - t0, [o.token_ids for o in outs]
+
+    names = ["released", "batch1"] + (["compiled_batch1"] if compiled else [])
+    per_prompt = {k: [0.0] * n for k in names}
+    tokens = {k: [None] * n for k in names}
+    batched = {"batch": [], "compiled_batch": []}
+    batched_tokens = {}
+    for i, p in enumerate(prompts):
+        t0 = time.perf_counter()
+        gen_ = torch.Generator().manual_seed(int(seeds[i])) if config.temperature > 0 else None
+        tokens["released"][i] = released_style_generate(model, p, config, gen_)
+        per_prompt["released"][i] = time.perf_counter() - t0
+        per_prompt["batch1"][i], (tokens["batch1"][i],) = gen(config, i, i + 1)
+        if compiled:
+            per_prompt["compiled_batch1"][i], (tokens["compiled_batch1"][i],) = gen(comp, i, i + 1)
+        if (i + 1) % chunk == 0 or i == n - 1:
+            for key, cfg in (("batch", config), ("compiled_batch", comp)):
+                if key == "compiled_batch" and not compiled:
+                    continue
+                times, toks = [], []
+                for s in range(0, n, batch):
+                    dt, tk = gen(cfg, s, s + batch)
+                    times.append(dt)
+                    toks += tk
+                batched[key].append(sum(times))
+                batched_tokens[key] = toks
+    released_total = sum(per_prompt["released"])
+    out = {"preset": preset, "prompts": n, "new_tokens": M, "batch": batch, "compile_s": compile_s,
+           "released_tokens_per_s": n * M / released_total,
+           "token_matches": {k: sum(a == b for a, b in zip(tokens[k], tokens["released"])) for k in names[1:]}}
+    for k, toks in batched_tokens.items():
+        out["token_matches"][k] = sum(a == b for a, b in zip(toks, tokens["released"]))
+    chunks = [range(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    for k in names[1:]:
+        total = sum(per_prompt[k])
+        per_chunk = [sum(per_prompt["released"][i] for i in c) / sum(per_prompt[k][i] for i in c) for c in chunks]
+        out[f"{k}_tokens_per_s"] = n * M / total
+        out[f"{k}_over_released"] = released_total / total
+        out[f"{k}_over_released_chunks"] = per_chunk
+    for k, times in batched.items():
+        if not times:
+            continue
+        # each batched decode covers all n prompts; compare it with the released-style time of the chunk
+        # just before it, scaled to n prompts
+        per_chunk = [sum(per_prompt["released"][i] for i in c) * n / len(c) / t for c, t in zip(chunks, times)]
+        out[f"{k}{batch}_tokens_per_s"] = n * M / statistics.median(times)
+        out[f"{k}{batch}_over_released"] = released_total / statistics.median(times)
+        out[f"{k}{batch}_over_released_chunks"] = per_chunk
+    for k in [x for x in out if x.endswith("_over_released")]:
+        ch = out[k + "_chunks"]
+        print(f"  {preset:8s} {k:32s} {out[k]:6.2f}x  (per chunk of {chunk} prompts: median "
+              f"{statistics.median(ch):.2f}, {min(ch):.2f}-{max(ch):.2f})", flush=True)
+    print(f"  {preset:8s} released-style loop {out['released_tokens_per_s']:.1f} tok/s; sequences with its tokens: "
+          f"{out['token_matches']}", flush=True)
+    return out
 
 
 def _compiled_rows(model, prompts, config, seeds, preset: str, batches: list[int], eager_tokens=None) -> list[dict]:
@@ -130,8 +197,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--compiled", action="store_true",
                    help="also time compiled_step=true at batch 1 and batch B, cache on (compile time excluded, reported)")
     p.add_argument("--compiled-only", action="store_true", help="only the compiled rows (no eager rows or ratios)")
+    p.add_argument("--skip-rows", action="store_true", help="no table rows (with --vs-released: only that comparison)")
     p.add_argument("--vs-released", action="store_true",
-                   help="also time a released-style loop (one prompt at a time, no cache, full logits; same tokens)")
+                   help="also compare with a released-style loop (one prompt at a time, no cache, full logits; same "
+                        "tokens), interleaved prompt by prompt with our batch-1 decode and, every 8 prompts, batch B")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a DecodeConfig field in every row, e.g. --set compiled_step=true (repeatable)")
     p.add_argument("--json", default=None)
@@ -154,12 +223,12 @@ def main(argv: list[str]) -> int:
                                               "temperature": a.temperature, **overrides})
 
     _run(model, prompts[:2], cfg("m2t", True).replace(max_new_tokens=16), seeds[:2], 2)  # warm-up
-    rows = []
+    rows, released = [], []
     for preset in a.presets.split(","):
         plan = [(1, True), (1, False), (a.batch, True)]
         if preset == a.off_batch_preset:
             plan.append((a.batch, False))
-        if a.compiled_only:
+        if a.compiled_only or a.skip_rows:
             plan = []
         eager_tokens = None
         for batch, cache in plan:
@@ -169,10 +238,11 @@ def main(argv: list[str]) -> int:
                 eager_tokens = list(_LAST_TOKENS)
             print(f"  {preset:8s} batch {batch:3d} cache {'on ' if cache else 'off'}: "
                   f"{r['tokens_per_s']:9.1f} tok/s  TPF {r['tpf']:.2f}", flush=True)
-        if a.compiled or a.compiled_only:
+        if (a.compiled or a.compiled_only) and not a.skip_rows:
             rows += _compiled_rows(model, prompts, cfg(preset, True), seeds, preset, [1, a.batch], eager_tokens)
         if a.vs_released:
-            rows.append(_released_row(model, prompts, cfg(preset, True), seeds, preset, eager_tokens))
+            released.append(vs_released(model, prompts, cfg(preset, True), seeds, preset, a.batch,
+                                        a.compiled or a.compiled_only))
 
     def find(preset, batch, cache, compiled=False):
         return next((r for r in rows if (r["preset"], r["batch"], r["cache"], r.get("compiled", False)) ==
@@ -180,7 +250,7 @@ def main(argv: list[str]) -> int:
 
     ratios = {}
     for preset in a.presets.split(","):
-        if a.compiled_only:
+        if a.compiled_only or a.skip_rows:
             continue
         on1, off1, onB, offB = (find(preset, 1, True), find(preset, 1, False), find(preset, a.batch, True),
                                 find(preset, a.batch, False))
@@ -188,21 +258,16 @@ def main(argv: list[str]) -> int:
                           f"batch{a.batch}_over_batch1": onB["tokens_per_s"] / on1["tokens_per_s"]}
         if offB:
             ratios[preset][f"cache_speedup_batch{a.batch}"] = onB["tokens_per_s"] / offB["tokens_per_s"]
-        released = next((r for r in rows if r["preset"] == preset and r.get("released_style")), None)
         for batch in (1, a.batch):
             comp = find(preset, batch, True, True)
             eager = find(preset, batch, True)
             if comp:
                 ratios[preset][f"compiled_over_eager_batch{batch}"] = comp["tokens_per_s"] / eager["tokens_per_s"]
-            if released:
-                ratios[preset][f"batch{batch}_over_released"] = eager["tokens_per_s"] / released["tokens_per_s"]
-                if comp:
-                    ratios[preset][f"compiled_batch{batch}_over_released"] = comp["tokens_per_s"] / released["tokens_per_s"]
     result = {"machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "device": a.device,
                           "python": platform.python_version(), "torch": torch.__version__},
               "model": spec, "new_tokens": a.new_tokens, "overrides": overrides, "load_avg": list(os.getloadavg()),
               "prompts": a.prompts or f"random, {a.prompt_len} tokens",
-              "rows": rows, "ratios": ratios}
+              "rows": rows, "ratios": ratios, "vs_released": released}
 
     from rich.console import Console
     from rich.table import Table
@@ -213,7 +278,6 @@ def main(argv: list[str]) -> int:
         t.add_column(col)
     for r in rows:
         label = r["preset"] + (" compiled" if r.get("compiled") else "")
-        label += " released-style" if r.get("released_style") else ""
         t.add_row(label, str(r["batch"]),
                   "on" if r["cache"] else "off", f"{r['tokens_per_s']:.1f}",
                   f"{r['tpf']:.2f}", f"{r['forwards_per_seq']:.1f}", f"{r['edits_per_seq']:.1f}", f"{r['wall_s']:.2f}")
