@@ -44,13 +44,14 @@ class LearnerConfig:
     mu: int = doc("epochs over each rollout batch", 1)
     minibatch_size: int = doc("sequences per optimizer step (0 = whole batch)", 0)
     n_draws: int = doc("Monte Carlo noise draws N per sequence (stratified noise levels)", 8)
-    t_min: float = doc("smallest noise level (mask probability), > 0 because of the 1/t weight", 0.1)
-    t_max: float = doc("largest noise level, <= 1", 1.0)
+    t_min: float = doc("smallest noise level (mask probability), > 0 because of the 1/t weight (noise: bernoulli)",
+                       0.1)
+    t_max: float = doc("largest noise level, <= 1 (noise: bernoulli)", 1.0)
     noise: Literal["bernoulli", "exact_elbo"] = doc(
         "noise draws of the block ELBO: bernoulli (each response token masked with prob. t, t stratified on "
         "[t_min, t_max], weight 1/t, one mask forced per block) or exact_elbo (exactly k ~ U{1..m} of a "
-        "block's m response tokens masked, weight m/k: LLaDA's ELBO, t_min/t_max unused); docs/ebpo.md",
-        "bernoulli")
+        "block's m response tokens masked, weight m/k: LLaDA's ELBO, t_min/t_max unused; the default: lower "
+        "log-ratio variance, docs/ebpo.md)", "exact_elbo")
     eps_low: float = doc("clip: ratio floor 1 - eps_low for negative advantages", 0.2)
     eps_high: float = doc("clip: ratio ceiling 1 + eps_high for positive advantages", 0.28)
     dual_clip: Optional[float] = doc("dual clip c > 1: for negative advantages the objective is at least c * A, so "

@@ -185,16 +185,18 @@ def test_off_policy_update_matches_hand_written_ppo_adamw(small_model, noise):
     assert moved > 3 * cfg.lr
 
 
+@pytest.mark.parametrize("noise", ["bernoulli", "exact_elbo"])
 @pytest.mark.parametrize("mu,mbs", [(1, 0), (2, 2)])  # on-policy shortcut, separate old pass
-def test_likelihood_metrics_match_plain_loop(small_model, mu, mbs):
+def test_likelihood_metrics_match_plain_loop(small_model, mu, mbs, noise):
     batch = six_batch()
-    cfg = LearnerConfig(lr=1e-3, n_draws=3, mu=mu, minibatch_size=mbs, seed=9)
+    cfg = LearnerConfig(lr=1e-3, n_draws=3, mu=mu, minibatch_size=mbs, seed=9, noise=noise)
     learner = EBPOLearner(copy.deepcopy(small_model), cfg)
     m = learner.update(batch)
 
     ids, resp = batch["input_ids"], batch["response_mask"]
     K = small_model.config.block_size
-    noise = draw_noise(resp, K, cfg.n_draws, cfg.t_min, cfg.t_max, torch.Generator().manual_seed(cfg.seed))
+    noise = draw_noise(resp, K, cfg.n_draws, cfg.t_min, cfg.t_max, torch.Generator().manual_seed(cfg.seed),
+                       form=cfg.noise)
     per_token_blocks, seq, per_token_seq = [], [], []
     with torch.no_grad():
         for i in range(ids.shape[0]):
@@ -247,7 +249,8 @@ def test_kl_penalty_at_minus_100_nats_keeps_weights_finite(small_model):
     drift(learner.model, 40.0)  # policy drifted far from the frozen reference (the initial weights)
     # the learner's draws (its generator's first use): log pi - log pi_ref far below -88 nats, where plain
     # k3 is inf, the loss inf and the gradient NaN
-    noise = draw_noise(batch["response_mask"], 4, 2, 0.1, 1.0, torch.Generator().manual_seed(1))
+    noise = draw_noise(batch["response_mask"], 4, 2, 0.1, 1.0, torch.Generator().manual_seed(1),
+                       form=learner.cfg.noise)
     with torch.no_grad():
         cur = plain_composites(learner.model, batch["input_ids"], noise, range(6)).mean(1)
         ref = plain_composites(learner.ref_model, batch["input_ids"], noise, range(6)).mean(1)

@@ -75,7 +75,8 @@ def test_on_policy_update_matches_plain_reference(small_model, packed, cached, r
     ref = copy.deepcopy(small_model).train()
     ids = batch["input_ids"]
     resp = response_mask_from_ids(ids, batch["prompt_lens"], EOS)
-    noise = draw_noise(resp, ref.config.block_size, 3, cfg.t_min, cfg.t_max, torch.Generator().manual_seed(7))
+    noise = draw_noise(resp, ref.config.block_size, 3, cfg.t_min, cfg.t_max, torch.Generator().manual_seed(7),
+                       form=cfg.noise)
     with torch.no_grad():
         old = all_composites(ref, ids, noise, MASK, packed=False)
     cur = all_composites(ref, ids, noise, MASK, packed=False)
