@@ -11,18 +11,20 @@ to the receivers through the group's TCPStore, so they can allocate each bucket 
 
     group = WeightBroadcastGroup(addr, port, rank, world_size, timeout_s=300)   # on every member at once
     group.send(sd, version, bucket_bytes)     # rank 0 -> SendStats(bytes, buckets, seconds)
+    group.send_buckets(plan, version, fetch)  # rank 0, each bucket from `with fetch(bucket) as tensors`
     sd = group.receive(version)               # ranks 1.. -> {name: tensor}, every bucket alive at once
     group.receive(version, consume=load_part) # ranks 1..: each bucket's {name: tensor} as it arrives
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, ContextManager, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,6 +66,15 @@ class SendStats(NamedTuple):
     bytes: int      # payload bytes broadcast (sum of bucket sizes)
     buckets: int    # broadcasts issued
     seconds: float  # wall time of packing and broadcasting, on the sender
+
+
+@dataclass(frozen=True)
+class WeightParts:
+    """A state dict in the Ray object store as one reference per bucket (object-store sync of a sharded or
+    large learner): a receiver fetches and loads one part at a time. Wrapping the list keeps Ray from
+    resolving the references when it is passed to an actor method."""
+
+    refs: tuple  # ObjectRefs, each of a dict name -> CPU tensor (whole tensors, in state-dict order)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -221,10 +232,18 @@ class WeightBroadcastGroup:
     def send(self, state_dict: Mapping[str, torch.Tensor], version: int, bucket_bytes: int) -> SendStats:
         """Rank 0: publish the plan of `version`, then broadcast it bucket by bucket (one at a time, so the
         extra memory is one bucket)."""
+        plan = plan_buckets([(n, t.shape, t.dtype) for n, t in state_dict.items()], bucket_bytes)
+        return self.send_buckets(plan, version, lambda bucket: contextlib.nullcontext(state_dict))
+
+    def send_buckets(self, plan: Sequence[Bucket], version: int,
+                     fetch: Callable[[Bucket], ContextManager[Mapping[str, torch.Tensor]]]) -> SendStats:
+        """Rank 0: publish `plan` as `version` and broadcast its buckets in order. `fetch(bucket)` is a context
+        manager giving that bucket's tensors (name -> tensor), e.g. gathered from ZeRO-3 shards for the
+        duration of the block: each bucket is packed inside it and broadcast after it, so the sender holds
+        one gathered bucket and one packed copy at a time."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 (the learner) sends weights")
         start = time.perf_counter()
-        plan = plan_buckets([(n, t.shape, t.dtype) for n, t in state_dict.items()], bucket_bytes)
         key = str(version)
         self.plans.set(key, plan_to_json(plan, version))
         if self._last_plan is not None:
@@ -233,7 +252,10 @@ class WeightBroadcastGroup:
         self._last_plan = key
         try:
             for bucket in plan:
-                self._broadcast(pack_bucket(state_dict, bucket, self.device))
+                with fetch(bucket) as tensors:
+                    flat = pack_bucket(tensors, bucket, self.device)
+                self._broadcast(flat)
+                del flat
             self._synchronize()
         except BaseException:
             self._abort()

@@ -17,10 +17,11 @@ from ebpo.model.loading import load_model, load_model_tokenizer
 
 class RolloutWorker:
     def __init__(self, model: str, decode: dict, *, num_threads: int | None = None, fp8: bool = False,
-                 device: str = "cpu", weights: dict | None = None, weights_version: int = 0):
+                 device: str = "cpu", weights=None, weights_version: int = 0):
         """model: folder / `tiny-sft` / `preset:NAME[@seed]`; decode: DecodeConfig fields (incl. `preset`).
 
-        `weights` (a state_dict) lets a restarted worker come back with the policy it had, not the base model.
+        `weights` (a state_dict or `WeightParts`) lets a restarted worker come back with the policy it had,
+        not the base model.
         """
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -31,7 +32,7 @@ class RolloutWorker:
         self.device = torch.device(device)
         self.model = load_model(model, device=self.device).eval()
         self.tokenizer = load_model_tokenizer(model)
-        self.fp8 = fp8
+        self.fp8 = False  # until the float weights are loaded and the model converted below
         self.version = 0
         self.sync_group = None  # rollout.weight_sync.WeightBroadcastGroup with ray.weight_sync=broadcast
         if weights is not None:
@@ -40,6 +41,7 @@ class RolloutWorker:
             from kernels.fp8 import convert_model_to_fp8
 
             self.model = convert_model_to_fp8(self.model)
+        self.fp8 = fp8
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None) -> list[dict]:
         """Decode each prompt (token-id list) with its own seed; returns plain dicts (cheap to ship over Ray).
@@ -61,10 +63,23 @@ class RolloutWorker:
             for o in outs
         ]
 
-    def load_weights(self, state_dict: dict, version: int) -> float:
-        """Load a learner state_dict (stacked-expert names or released names); returns seconds taken."""
+    def load_weights(self, state_dict, version: int) -> float:
+        """Load a learner state_dict (stacked-expert names or released names), or a
+        `rollout.weight_sync.WeightParts` (one object-store reference per bucket, fetched and loaded one
+        at a time so that the extra memory is one bucket); returns seconds taken."""
+        from .weight_sync import WeightParts
+
         start = time.perf_counter()
-        if self.fp8:
+        if isinstance(state_dict, WeightParts):
+            import ray
+
+            from .weight_loading import StreamingWeightLoader
+
+            loader = StreamingWeightLoader(self.model, self.fp8)
+            for ref in state_dict.refs:
+                loader.load_part(ray.get(ref))
+            loader.finish()
+        elif self.fp8:
             from kernels.fp8 import requantize_model_
 
             requantize_model_(self.model, state_dict)

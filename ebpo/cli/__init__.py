@@ -4,6 +4,7 @@
     ebpo generate ...                        draft-and-edit decoding (rollout.cli)
     ebpo eval ...                            held-out accuracy of a checkpoint
     ebpo export RUN_DIR OUT_DIR              write a Hugging Face folder
+    ebpo plan RECIPE.yaml [key=value ...]    memory per GPU of an RL recipe on a cluster shape
     ebpo bench NAME [...]                    benchmarks: decode, likelihood, rewards, kernels, check
 
 The top-level parser picks the command; each command's own argparse parser, in the module that owns the
@@ -22,6 +23,7 @@ COMMANDS = {
     "generate": ("rollout.cli:main", "draft-and-edit decoding of prompts (Quality / Speedy / M2T modes)"),
     "eval": ("ebpo.cli.eval:main", "held-out accuracy and tokens per forward of a model, per decode preset"),
     "export": ("ebpo.cli.export:main", "write a run's checkpoint as a Hugging Face model folder"),
+    "plan": ("ebpo.cli.plan:main", "memory per GPU of an RL recipe on a cluster shape (nothing is run)"),
     "bench": (None, "benchmarks that print a table and can write JSON"),
 }
 

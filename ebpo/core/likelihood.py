@@ -167,6 +167,10 @@ def _kernel_token_logprobs():
         return None
 
 
+# rows of the LM head computed at once through the head module (ZeRO-3) when gradients are needed
+MODULE_HEAD_CHUNK = 2048
+
+
 def gathered_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, use_module_head: bool = False) -> torch.Tensor:
     """log p(targets) for gathered hidden rows: hidden (M, H), targets (M,) -> (M,) fp32.
 
@@ -178,8 +182,21 @@ def gathered_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, use_mo
     # bf16 weights): a bf16 log-prob error summed over thousands of tokens exceeds the clip window.
     with torch.autocast(hidden.device.type, enabled=False):
         if use_module_head:  # partitioned weight (ZeRO-3): the module computes in its own dtype
-            logits = head(hidden.to(head.weight.dtype)).float()
-            return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+            def rows_logprobs(h, tg):
+                logits = head(h.to(head.weight.dtype)).float()
+                return logits.log_softmax(-1).gather(-1, tg[:, None]).squeeze(-1)
+
+            M = hidden.shape[0]
+            if not torch.is_grad_enabled() or M <= MODULE_HEAD_CHUNK:
+                return rows_logprobs(hidden, targets)
+            # With grad, autograd would keep fp32 logits and log-softmax of every row: 1.3 MB per scored
+            # token at a 157k vocabulary. Chunks under checkpointing keep only their input rows; each
+            # chunk's logits are recomputed (the module re-gathers its weight) in the backward.
+            from torch.utils.checkpoint import checkpoint
+
+            return torch.cat([checkpoint(rows_logprobs, hidden[s:s + MODULE_HEAD_CHUNK],
+                                         targets[s:s + MODULE_HEAD_CHUNK], use_reentrant=False)
+                              for s in range(0, M, MODULE_HEAD_CHUNK)])
         weight = head.weight if head.weight.dtype == torch.float32 else head.weight.float()
         kernel = _kernel_token_logprobs()
         if kernel is not None and getattr(head, "bias", None) is None:

@@ -37,6 +37,32 @@ from ebpo.model.masks import noisy_clean_mask, noisy_clean_position_ids
 from ebpo.core.noise import NoisyBatch
 
 
+@dataclass(frozen=True)
+class LossShard:
+    """One rank's rows of a batch that several ranks share (data-parallel SFT).
+
+    counts: the whole batch's denominators {"response", "masked", "substituted", "kept", "mtf_drafted"};
+    mtf_rows: (b,) bool, which of this rank's rows are among the whole batch's MTF rows."""
+
+    counts: dict
+    mtf_rows: torch.Tensor
+
+
+def shard_of(response_mask: torch.Tensor, nb: NoisyBatch, rows: torch.Tensor, mtf_fraction: float) -> LossShard:
+    """The `LossShard` of `rows` (a (b,) long index) of a whole batch (response_mask (B, L), its noise `nb`)."""
+    B = response_mask.shape[0]
+    n_mtf = max(1, round(mtf_fraction * B))
+    counts = {"response": int(response_mask.sum()), "masked": int(nb.masked.sum()),
+              "substituted": int(nb.substituted.sum()), "kept": int(nb.kept.sum()),
+              "mtf_drafted": int(nb.masked[:n_mtf].sum())}
+    return LossShard(counts, rows < n_mtf)
+
+
+def take_rows(nb: NoisyBatch, rows: torch.Tensor) -> NoisyBatch:
+    """The noise of `rows` (a (b,) long index) of a batch."""
+    return NoisyBatch(**{k: v[rows] for k, v in vars(nb).items()})
+
+
 @dataclass
 class ObjectiveConfig:
     t_min: float = doc("lowest M2T noise level (fraction of response tokens masked)", 0.1)
@@ -87,12 +113,20 @@ def _ce_sum(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor |
 
 
 def mixture_loss(model, lm_head, clean: torch.Tensor, response_mask: torch.Tensor, nb: NoisyBatch,
-                 cfg: ObjectiveConfig, block_size: int, mask_id: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
+                 cfg: ObjectiveConfig, block_size: int, mask_id: int, shard: "LossShard | None" = None
+                 ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """M2T + T2T (+ MTF) loss of one batch.
 
     clean (B, L) long, response_mask (B, L) bool, nb the noise of this batch. Returns (loss scalar,
     metrics dict of floats, draft (B, L) long = noisy input with the first pass's argmax at the masks).
+    shard: these rows are one rank's part of a larger batch (`LossShard`): every term is divided by the
+    whole batch's count, so the ranks' losses and metrics add up to the whole batch's.
     """
+    counts = shard.counts if shard is not None else None
+
+    def denom(key: str, local: int) -> int:
+        return max(int(counts[key]) if counts is not None else local, 1)
+
     hidden = noisy_half_hidden(model, nb.noisy, clean, block_size)
     metrics: dict[str, float] = {}
     # one LM-head call for every position that carries loss; split afterwards
@@ -106,30 +140,41 @@ def mixture_loss(model, lm_head, clean: torch.Tensor, response_mask: torch.Tenso
     n_m = int(kind_m.sum())
     if cfg.normalize == "elbo":
         inv_t = (1.0 / nb.t)[:, None].expand_as(clean)[carry][kind_m]
-        m2t = _ce_sum(logits[kind_m], targets[kind_m], inv_t) / max(int(response_mask.sum()), 1)
+        m2t = _ce_sum(logits[kind_m], targets[kind_m], inv_t) / denom("response", int(response_mask.sum()))
     else:
-        m2t = _ce_sum(logits[kind_m], targets[kind_m]) / max(n_m, 1)
+        m2t = _ce_sum(logits[kind_m], targets[kind_m]) / denom("masked", n_m)
     loss = m2t
     metrics["loss/m2t"] = float(m2t.detach())
     with torch.no_grad():
         pred = logits.detach().clone()
         pred[:, mask_id] = float("-inf")  # a draft never contains the mask token
         pred = pred.argmax(-1)
-        metrics["acc/m2t"] = float((pred[kind_m] == targets[kind_m]).float().mean()) if n_m else 0.0
+        if counts is not None:  # this rank's share of the whole batch's accuracy
+            metrics["acc/m2t"] = float((pred[kind_m] == targets[kind_m]).float().sum()) / denom("masked", n_m)
+        else:
+            metrics["acc/m2t"] = float((pred[kind_m] == targets[kind_m]).float().mean()) if n_m else 0.0
     if cfg.t2t_weight > 0:
         n_s, n_k = int(kind_s.sum()), int(kind_k.sum())
-        restore = _ce_sum(logits[kind_s], targets[kind_s]) / max(n_s, 1)
-        keep = _ce_sum(logits[kind_k], targets[kind_k]) / max(n_k, 1)
+        restore = _ce_sum(logits[kind_s], targets[kind_s]) / denom("substituted", n_s)
+        keep = _ce_sum(logits[kind_k], targets[kind_k]) / denom("kept", n_k)
         loss = loss + cfg.t2t_weight * (restore + cfg.keep_weight * keep)
         metrics["loss/t2t_restore"] = float(restore.detach())
         metrics["loss/t2t_keep"] = float(keep.detach())
-        if n_s:
+        if counts is not None:
+            metrics["acc/t2t_restore"] = float((pred[kind_s] == targets[kind_s]).float().sum()) / denom(
+                "substituted", n_s)
+        elif n_s:
             metrics["acc/t2t_restore"] = float((pred[kind_s] == targets[kind_s]).float().mean())
     draft = nb.noisy.clone()
     draft[carry] = torch.where(kind_m, pred, draft[carry])
     if cfg.mtf_weight > 0 and cfg.mtf_fraction > 0:
-        rows = max(1, round(cfg.mtf_fraction * clean.shape[0]))
-        mtf = mtf_loss(model, lm_head, draft[:rows], clean[:rows], nb.masked[:rows], block_size)
+        rows = shard.mtf_rows if shard is not None else slice(0, max(1, round(cfg.mtf_fraction * clean.shape[0])))
+        drafted = nb.masked[rows]
+        if drafted.shape[0]:
+            mtf = mtf_loss(model, lm_head, draft[rows], clean[rows], drafted, block_size,
+                           denominator=denom("mtf_drafted", int(drafted.sum())))
+        else:  # a shard without MTF rows: its part of the whole batch's MTF term is 0
+            mtf = loss.new_zeros(())
         loss = loss + cfg.mtf_weight * mtf
         metrics["loss/mtf"] = float(mtf.detach())
         metrics["acc/mtf_draft"] = metrics["acc/m2t"]
@@ -139,7 +184,7 @@ def mixture_loss(model, lm_head, clean: torch.Tensor, response_mask: torch.Tenso
 
 
 def mtf_loss(model, lm_head, draft: torch.Tensor, clean: torch.Tensor, drafted: torch.Tensor,
-             block_size: int) -> torch.Tensor:
+             block_size: int, denominator: int | None = None) -> torch.Tensor:
     """Multi-Turn Forward: per-token cross-entropy of `[draft ; clean]` at the drafted positions.
 
     draft (b, L): the first pass's noisy input with its own predictions written at the masks (detached:
@@ -148,4 +193,4 @@ def mtf_loss(model, lm_head, draft: torch.Tensor, clean: torch.Tensor, drafted: 
     """
     hidden = noisy_half_hidden(model, draft, clean, block_size)
     logits = selected_logits(lm_head, hidden, drafted)
-    return _ce_sum(logits, clean[drafted]) / max(int(drafted.sum()), 1)
+    return _ce_sum(logits, clean[drafted]) / (denominator or max(int(drafted.sum()), 1))

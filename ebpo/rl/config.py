@@ -129,18 +129,27 @@ class RayConfig:
     learner_gpus: float = doc("GPUs for the learner actor", 0.0)
     reward_cpus: float = doc("CPUs per reward actor (its worker processes are not counted by Ray)", 0.0)
     colocate: bool = doc("pack rollout and learner actors into one placement group (same node)", False)
+    spread_nodes: int = doc("spread the policy actors over this many nodes: one placement-group bundle per node "
+                            "(STRICT_SPREAD), rollout worker i and learner rank r on node i mod n and r mod n; "
+                            "0 = off (Ray's default scheduler, or ray.colocate)", 0)
     weight_sync: Literal["object_store", "broadcast"] = doc(
-        "how weights reach the rollout workers after each update: object_store (the learner's state_dict "
-        "goes once into the Ray object store) or broadcast (bucketed torch.distributed broadcast from the "
-        "learner: NCCL when learner and rollout actors each hold >= 1 GPU, else gloo over TCP; falls back "
-        "to the object store for a sync after a rollout worker restart or a failure)", "object_store")
-    bucket_mb: float = doc("broadcast: bucket size in MiB; tensors are packed in order into flat buffers of "
-                           "one dtype, a larger tensor gets a bucket of its own", 256.0)
+        "how weights reach the rollout workers after each update: object_store (the learner puts its "
+        "weights into the Ray object store once, one part per bucket) or broadcast (bucketed "
+        "torch.distributed broadcast from the learner: NCCL when learner and rollout actors each hold >= 1 "
+        "GPU, else gloo over TCP; falls back to the object store for a sync after a rollout worker restart "
+        "or a failure)", "object_store")
+    bucket_mb: float = doc("weight-sync bucket size in MiB: the learner gathers (ZeRO-3), sends and the "
+                           "workers load the weights one bucket at a time; tensors are packed in order into "
+                           "buckets of one dtype, a larger tensor gets a bucket of its own", 256.0)
     sync_timeout_s: float = doc("broadcast: seconds allowed for forming the group and for each wait inside a "
                                 "sync (the plan, each bucket); past it the sync falls back to the object store",
                                 300.0)
 
     def validate(self):
+        if self.spread_nodes < 0:
+            raise ValueError(f"ray.spread_nodes: must be >= 0 (0 = off), got {self.spread_nodes}")
+        if self.spread_nodes > 0 and self.colocate:
+            raise ValueError("ray.spread_nodes: cannot be combined with ray.colocate=true (one node); choose one")
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ValueError(f"ray.bucket_mb: must be a positive number of MiB, got {self.bucket_mb!r}")
         if self.bucket_mb * 2**20 < 1:

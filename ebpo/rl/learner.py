@@ -555,12 +555,10 @@ class EBPOLearner:
         """Full policy weights as CPU tensors under the model's own names (LoRA merged in)."""
         if self.cfg.lora is not None:
             return {k: v.detach().cpu().clone() for k, v in self.get_model().state_dict().items()}
-        if self.engine is not None and self.cfg.zero_stage == 3:
-            import deepspeed
+        if self.engine is not None and self.cfg.zero_stage == 3:  # gathered 256 MiB at a time, on every rank
+            from ebpo.rl.weight_stream import WeightStreamer
 
-            params = list(self.model.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+            return {k: v for part in WeightStreamer(self.model, True, 1 << 28).cpu_buckets() for k, v in part.items()}
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def _extra_state(self) -> dict:

@@ -48,6 +48,28 @@ class LearnerActor:
         state = self.learner.state_dict_for_sync()
         return state if self.rank == 0 else {}
 
+    def _streamer(self, bucket_bytes: int):
+        """The policy's weights in buckets of `bucket_bytes` (ZeRO-3: gathered one bucket at a time)."""
+        from ebpo.rl.weight_stream import WeightStreamer
+
+        lrn = self.learner
+        zero3 = lrn.engine is not None and lrn.cfg.zero_stage == 3 and lrn.cfg.lora is None
+        return WeightStreamer(lrn.get_model(), zero3, bucket_bytes)
+
+    def weight_parts(self, bucket_bytes: int):
+        """Object-store sync: rank 0 puts each bucket in the object store as it is gathered and returns a
+        `rollout.weight_sync.WeightParts` of their references (no full copy in this process at any time);
+        other ranks join the gathers and return None."""
+        import ray
+
+        from rollout.weight_sync import WeightParts
+
+        streamer = self._streamer(bucket_bytes)
+        if self.rank != 0:
+            streamer.drain()
+            return None
+        return WeightParts(tuple(ray.put(part) for part in streamer.cpu_buckets()))
+
     def weights_digest(self) -> dict:
         """SHA-256 and counts of `state_dict_for_sync()` (see `rollout.weight_sync.state_dict_digest`)."""
         from rollout.weight_sync import state_dict_digest
@@ -71,13 +93,15 @@ class LearnerActor:
         self.sync_group = WeightBroadcastGroup(addr, port, 0, world_size, timeout_s=timeout_s, device=device)
 
     def broadcast_weights(self, version: int, bucket_bytes: int) -> dict:
-        """Send `state_dict_for_sync()` as `version`; returns {"bytes", "buckets", "seconds"} of the send."""
-        if self.rank != 0:  # only rank 0 sends; the others join the ZeRO-3 gather of the weights
-            self.learner.state_dict_for_sync()
+        """Send the policy as `version`, gathered and broadcast one bucket at a time; returns {"bytes",
+        "buckets", "seconds"} of the send (rank 0; the other ranks join the gathers and return {})."""
+        streamer = self._streamer(bucket_bytes)
+        if self.rank != 0:
+            streamer.drain()
             return {}
         if self.sync_group is None:
             raise RuntimeError("broadcast_weights: the learner is in no weight-sync group")
-        stats = self.sync_group.send(self.learner.state_dict_for_sync(), version, bucket_bytes)
+        stats = self.sync_group.send_buckets(streamer.plan, version, streamer.gathered)
         return stats._asdict()
 
     def close_sync_group(self) -> None:
@@ -91,8 +115,13 @@ class LearnerActor:
     def load(self, path: str) -> None:
         self.learner.load(path)
 
-    def export(self, path: str) -> None:
-        """Rank 0 writes the policy as a Hugging Face folder; with ZeRO-3 every rank joins the gather."""
-        state = self.learner.state_dict_for_sync()
-        if self.rank == 0:
-            self.learner.get_model().save_pretrained(path, state_dict=state)
+    def export(self, path: str, bucket_bytes: int = 1 << 30) -> None:
+        """Rank 0 writes the policy as a Hugging Face folder, one safetensors shard per bucket of
+        `bucket_bytes` as it is gathered (ZeRO-3: every rank joins each bucket's gather)."""
+        from ebpo.model.streamed_save import save_pretrained_streamed
+
+        streamer = self._streamer(bucket_bytes)
+        if self.rank != 0:
+            streamer.drain()
+            return
+        save_pretrained_streamed(self.learner.model_config, path, streamer.cpu_buckets(), len(streamer.plan))

@@ -2,7 +2,8 @@
 group through Ray (rank 0 publishes its address and a free port) and calls them together.
 
 Every rank must run the same collective calls in the same order, so the group sends each call to all
-ranks (`update`, `save`, `load`, `export`, `state_dict_for_sync`, `broadcast_weights`, `weights_digest`)
+ranks (`update`, `save`, `load`, `export`, `state_dict_for_sync`, `weight_parts`, `broadcast_weights`,
+`weights_digest`)
 and answers with rank 0's result; calls that concern only the weight-sync group go to rank 0 alone.
 With W = 1 it is a thin wrapper around one actor, and the run is what it was with a single learner actor.
 """
@@ -15,7 +16,8 @@ class LearnerRankDied(RuntimeError):
     since they would wait for it in a collective until the process group's timeout."""
 
 
-ALL_RANKS = ("update", "save", "load", "export", "state_dict_for_sync", "broadcast_weights", "weights_digest")
+ALL_RANKS = ("update", "save", "load", "export", "state_dict_for_sync", "weight_parts", "broadcast_weights",
+             "weights_digest")
 RANK_ZERO = ("sync_endpoint", "join_sync_group", "close_sync_group")
 
 

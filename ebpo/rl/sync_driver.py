@@ -1,7 +1,8 @@
 """Driver side of the learner -> rollout-worker weight sync for `RLTrainer` (systems code, no algorithm).
 
-`ray.weight_sync=object_store`: the learner's state dict goes into the Ray object store once and every
-rollout worker loads it. `ray.weight_sync=broadcast`: a bucketed broadcast over a standalone gloo/NCCL
+`ray.weight_sync=object_store`: the learner puts its weights into the Ray object store once, one part per
+bucket of `ray.bucket_mb` as it gathers them (`rollout.weight_sync.WeightParts`), and every rollout worker
+loads them part by part. `ray.weight_sync=broadcast`: a bucketed broadcast over a standalone gloo/NCCL
 group (`rollout.weight_sync`) with the learner as rank 0; a worker restarted since the group was formed,
 a failed broadcast or a group that cannot form makes that sync use the object store and re-forms the
 group, and after `MAX_BROADCAST_FAILURES` failures in a row the run stays on the object store.
@@ -55,7 +56,10 @@ class WeightSyncDriver:
         # outside that pair -- during rollout, reward or evaluation, or inside the sync itself, whose version
         # is the learner's current weights. The learner runs calls in order, so this read comes after any
         # update already submitted.
-        return self.learner.state_dict_for_sync.remote()
+        return self.learner.weight_parts.remote(self._bucket_bytes())
+
+    def _bucket_bytes(self) -> int:
+        return max(1, int(self.cfg.bucket_mb * 2**20))
 
     def sync(self) -> dict[str, float]:
         """Bring every rollout worker to the learner's weights as version + 1; returns sync/* metrics
@@ -79,7 +83,7 @@ class WeightSyncDriver:
 
     # ------------------------------------------------------------------------------------------------ internals
     def _by_object_store(self) -> None:
-        self.latest_weights = self.learner.state_dict_for_sync.remote()
+        self.latest_weights = self.learner.weight_parts.remote(self._bucket_bytes())
         tickets = [w.submit("load_weights", self.latest_weights, self.version) for w in self.rollout_workers]
         for w, t in zip(self.rollout_workers, tickets):
             w.result(t)
@@ -92,7 +96,7 @@ class WeightSyncDriver:
             return self._fall_back("no weight-sync group")
         if self.group_restarts != [w.restarts for w in self.rollout_workers]:
             return self._fall_back("a rollout worker was restarted since the weight-sync group was formed")
-        send = self.learner.broadcast_weights.remote(self.version, max(1, int(self.cfg.bucket_mb * 2**20)))
+        send = self.learner.broadcast_weights.remote(self.version, self._bucket_bytes())
         receives = [w.handle.receive_weights.remote(self.version) for w in self.rollout_workers]
         try:
             stats = self._get_all([send, *receives])[0]

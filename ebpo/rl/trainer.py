@@ -88,7 +88,9 @@ def ray_init_kwargs(ray_cfg, warn: Callable[[str], None]) -> dict:
             warn(f"ray.num_cpus={ray_cfg.num_cpus} only sizes an embedded local Ray instance; ignored when "
                  f"connecting to the cluster at {address}")
     else:
-        kwargs["num_cpus"] = ray_cfg.num_cpus
+        # "local" starts an embedded instance even when a `ray start` cluster runs on this machine, which
+        # ray.init() would otherwise join (and then refuse num_cpus)
+        kwargs.update(address="local", num_cpus=ray_cfg.num_cpus)
     return kwargs
 
 
@@ -220,26 +222,40 @@ class RLTrainer:
         self.weights.attach(self.learner, self.rollout_workers)
 
     def _placement(self):
-        """index -> actor options. With `ray.colocate`, one STRICT_PACK placement group holds a bundle per
-        rollout worker (0..n-1) and one for the learner (n), so they share a node (and its GPUs); a restarted
-        rollout worker returns to its own bundle. Otherwise Ray's default scheduler places each actor."""
+        """index -> actor options for rollout worker i (0..n-1) and learner rank r (index n + r).
+
+        `ray.colocate`: one STRICT_PACK placement group with a bundle per actor, so they share a node (and its
+        GPUs); a restarted rollout worker returns to its own bundle. `ray.spread_nodes = m`: one bundle per
+        node (STRICT_SPREAD) holding rollout workers i = j mod m and learner ranks r = j mod m. Otherwise Ray's
+        default scheduler places each actor."""
         cfg = self.cfg
-        if not cfg.ray.colocate:
+        if not cfg.ray.colocate and cfg.ray.spread_nodes <= 0:
             return lambda i: {}
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        def bundle(gpus: float) -> dict:
-            return {"CPU": 1.0, **({"GPU": gpus} if gpus > 0 else {})}
+        n_rollout, n_learner = cfg.rollout.num_workers, self.learner_cfg.num_workers
+        gpus = [cfg.ray.rollout_gpus] * n_rollout + [cfg.ray.learner_gpus] * n_learner
 
-        bundles = ([bundle(cfg.ray.rollout_gpus)] * cfg.rollout.num_workers
-                   + [bundle(cfg.ray.learner_gpus)] * self.learner_cfg.num_workers)
-        self.placement_group = placement_group(bundles, strategy="STRICT_PACK", name=f"{cfg.name}-policy")
+        def bundle(members: list[int]) -> dict:
+            total = sum(gpus[i] for i in members)
+            return {"CPU": float(len(members)), **({"GPU": total} if total > 0 else {})}
+
+        if cfg.ray.colocate:
+            slot_of = list(range(n_rollout + n_learner))
+            strategy, what = "STRICT_PACK", "on one node"
+        else:
+            m = cfg.ray.spread_nodes
+            slot_of = [i % m for i in range(n_rollout)] + [r % m for r in range(n_learner)]
+            strategy, what = "STRICT_SPREAD", f"on {m} different nodes"
+        bundles = [bundle([i for i, s in enumerate(slot_of) if s == j]) for j in range(max(slot_of) + 1)]
+        self.placement_group = placement_group(bundles, strategy=strategy, name=f"{cfg.name}-policy")
         if not self.placement_group.wait(timeout_seconds=120):
-            raise RuntimeError(f"ray.colocate: the cluster cannot place {bundles} on one node within 120 s; "
-                               "lower ray.rollout_gpus / ray.learner_gpus or set ray.colocate=false")
+            key = "ray.colocate" if cfg.ray.colocate else "ray.spread_nodes"
+            raise RuntimeError(f"{key}: the cluster cannot place {bundles} {what} within 120 s; lower "
+                               f"ray.rollout_gpus / ray.learner_gpus or change {key}")
         return lambda i: {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=self.placement_group, placement_group_bundle_index=i)}
+            placement_group=self.placement_group, placement_group_bundle_index=slot_of[i])}
 
     def _event(self, message: str) -> None:
         log.warning(message)

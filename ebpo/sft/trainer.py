@@ -22,7 +22,7 @@ from ebpo.infra.config import load_config, save_config, to_dict
 from ebpo.infra.data import EpochSampler, collate, encode_sft, load_rows, pack_documents
 from ebpo.infra.distributed import init_distributed
 from ebpo.core.noise import make_noisy, substitution_ids
-from ebpo.core.objectives import mixture_loss
+from ebpo.core.objectives import LossShard, mixture_loss, shard_of, take_rows
 from ebpo.sft.config import SFTConfig
 
 
@@ -98,8 +98,8 @@ class SFTTrainer:
 
         distributed = dist.is_available() and dist.is_initialized()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-        if self.rank:
-            self.noise_gen.manual_seed(tc.seed + 1000003 * self.rank)  # independent noise per rank
+        # Every rank draws the noise of the whole global batch from the same generator and keeps its own rows,
+        # so that W ranks compute the update of one rank on the global batch (`train_step`).
         self.start_step, run_id = 0, None
         if self.resume_dir:
             run_id = self._restore()
@@ -168,8 +168,8 @@ class SFTTrainer:
         if not self.pending:
             k, w = max(1, self.cfg.data.bucket), self.world
             idx = sorted(self.sampler.take(n * k * w), key=lambda i: len(self.examples[i][0]))
-            # every rank draws the same order; rank r serves slice r of each global batch
-            groups = [idx[j:j + n * w][self.rank::w] for j in range(0, len(idx), n * w)]
+            # every rank holds the same global batches (n * w examples); `train_step` gives rank r rows r::w
+            groups = [idx[j:j + n * w] for j in range(0, len(idx), n * w)]
             random.Random(self.cfg.trainer.seed * 7919 + self.sampler.epoch * 104729 + self.sampler.pos).shuffle(groups)
             self.pending = groups
         idx = self.pending.pop()
@@ -177,15 +177,25 @@ class SFTTrainer:
                             eos_id=self.tokenizer.eos_token_id, mask_id=self.mask_id)
         return ids.to(self.device), resp.to(self.device)
 
-    def loss_on(self, clean: torch.Tensor, response: torch.Tensor, generator: torch.Generator):
+    def loss_on(self, clean: torch.Tensor, response: torch.Tensor, generator: torch.Generator,
+                shard_rows: torch.Tensor | None = None):
+        """Mixture loss of a batch; with `shard_rows` ((b,) long), this rank's rows of a global batch whose
+        noise is drawn whole (same on every rank) and whose terms are normalised by the whole batch's counts."""
         ob = self.cfg.objective
         nb = make_noisy(clean.cpu(), response.cpu(), mask_id=self.mask_id, t_min=ob.t_min, t_max=ob.t_max,
                         t2t_rate=ob.t2t_rate if ob.t2t_weight > 0 else 0.0, allowed_ids=self.allowed_ids,
                         generator=generator, min_one=ob.min_one_mask)
+        shard = None
+        if shard_rows is not None:
+            shard = shard_of(response.cpu(), nb, shard_rows, ob.mtf_fraction)
+            shard = LossShard(shard.counts, shard.mtf_rows.to(self.device))
+            nb = take_rows(nb, shard_rows)
+            rows = shard_rows.to(clean.device)
+            clean, response = clean[rows], response[rows]
         if self.device.type != "cpu":
             nb = type(nb)(**{k: v.to(self.device) for k, v in vars(nb).items()})
         fwd = self.engine if self.engine is not None else self.model
-        return mixture_loss(fwd, self.lm_head, clean, response, nb, ob, self.block_size, self.mask_id)
+        return mixture_loss(fwd, self.lm_head, clean, response, nb, ob, self.block_size, self.mask_id, shard=shard)
 
     def train_step(self) -> dict:
         tc, o = self.cfg.trainer, self.cfg.optim
@@ -193,7 +203,15 @@ class SFTTrainer:
         n_tokens = 0
         for _ in range(o.grad_accum):
             clean, response = self.micro_batch(tc.batch_size)
-            loss, metrics, _ = self.loss_on(clean, response, self.noise_gen)
+            if self.world > 1:
+                rows = torch.arange(self.rank, clean.shape[0], self.world)
+                loss, metrics, _ = self.loss_on(clean, response, self.noise_gen, shard_rows=rows)
+                metrics = self._sum_over_ranks(metrics)
+                # each rank's loss is its part of the global batch's; DeepSpeed averages gradients over ranks
+                loss = loss * self.world
+                clean = clean[rows.to(clean.device)]
+            else:
+                loss, metrics, _ = self.loss_on(clean, response, self.noise_gen)
             if self.engine is not None:
                 self.engine.backward(loss)
                 self.engine.step()
@@ -216,6 +234,15 @@ class SFTTrainer:
         totals["train/lr"] = self.optimizer.param_groups[0]["lr"]
         totals["train/tokens"] = float(n_tokens)
         return totals
+
+    def _sum_over_ranks(self, metrics: dict) -> dict:
+        """Metrics of the global batch from every rank's share (each is already divided by global counts)."""
+        import torch.distributed as dist
+
+        keys = sorted(metrics)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return dict(zip(keys, t.tolist()))
 
     @torch.no_grad()
     def eval_loss(self) -> dict:

@@ -19,7 +19,7 @@ def test_num_cpus_is_dropped_with_a_warning_when_connecting(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     warnings = []
     local = ray_init_kwargs(RayConfig(num_cpus=2), warnings.append)
-    assert local["num_cpus"] == 2 and not warnings
+    assert local["num_cpus"] == 2 and local["address"] == "local" and not warnings
     remote = ray_init_kwargs(RayConfig(address="auto", num_cpus=2), warnings.append)
     assert "num_cpus" not in remote and remote["address"] == "auto"
     assert len(warnings) == 1 and "ray.num_cpus" in warnings[0]

@@ -148,3 +148,17 @@ def test_two_rank_deepspeed_sft_checkpoints_and_resumes_exactly(data, tmp_path):
     resumed = {r["step"]: r for r in read_metrics(tmp_path / "staged")}
     for step in (4, 5, 6):
         assert resumed[step]["loss/total"] == pytest.approx(full[step]["loss/total"], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_losses_of_one_rank_on_the_same_global_batch(data, tmp_path):
+    """Two ranks of 4 examples compute the update of one rank on the same 8: every rank draws the noise of the
+    whole global batch and normalises by its counts, so losses, accuracies and gradient norms agree."""
+    _torchrun(data, tmp_path / "one", "trainer.batch_size=8", nproc=1)
+    _torchrun(data, tmp_path / "two", "trainer.batch_size=4")
+    one = {r["step"]: r for r in read_metrics(tmp_path / "one")}
+    two = {r["step"]: r for r in read_metrics(tmp_path / "two")}
+    assert sorted(one) == sorted(two) == list(range(1, 7))
+    for step in one:
+        for key in ("loss/total", "loss/m2t", "acc/m2t", "tokens/masked", "train/grad_norm"):
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-6), (step, key)

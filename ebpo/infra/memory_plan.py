@@ -1,0 +1,288 @@
+"""Memory plan of a training run per GPU: weights, gradients, optimizer states and activations.
+
+Parameters are counted exactly by building the model on the meta device (no memory, no weights needed).
+Activations are *probed*, not guessed: one decoder layer of the real configuration runs forward on the meta
+device under `torch.autograd.graph.saved_tensors_hooks`, which sees every tensor autograd keeps for the
+backward with its shape and dtype. Two probe lengths separate the part linear in the tokens (per-token
+activations) from the part quadratic in a row's length (the block mask, which SDPA converts to an additive
+float mask in every layer). The LM head is counted from its shapes: the learner scores only masked
+positions, in fp32 (hidden, logits and log-softmax output per scored token). `tests/infra/test_memory_plan.py`
+checks the estimate against the bytes the tiny model really saves in a learner forward.
+
+All sizes are bytes; `GB` below means 1e9 bytes.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ebpo.model.configuration_llada2_moe import LLaDA2MoeConfig
+
+GB = 1e9
+# DeepSpeed ZeRO-3's default cap on parameters gathered at once (`stage3_max_live_parameters`), in elements.
+ZERO3_MAX_LIVE_PARAMETERS = 1e9
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+def count_parameters(config: LLaDA2MoeConfig) -> dict[str, int]:
+    """{"total", "active", "linear"} parameter counts (elements) of the model built from `config`.
+
+    active: what one token touches (routed experts counted `num_experts_per_tok` of `num_experts`);
+    linear: the weights that FP8 rollout quantises (attention and MLP projections, routed experts)."""
+    from ebpo.model import LLaDA2MoeModelLM
+
+    with torch.device("meta"):
+        model = LLaDA2MoeModelLM(config)
+    total = active = linear = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        total += n
+        routed = name.split(".")[-1] in ("gate_proj", "up_proj", "down_proj") and ".experts." in name + "."
+        if routed and p.dim() == 3:
+            active += n * config.num_experts_per_tok // config.num_experts
+            linear += n
+        else:
+            active += n
+            if p.dim() == 2 and "word_embeddings" not in name and "lm_head" not in name and ".gate." not in name:
+                linear += n
+    return {"total": total, "active": active, "linear": linear}
+
+
+# --------------------------------------------------------------------------------------------- activations
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Bytes autograd saves in a forward with grad, by where they come from.
+
+    per_token: all layers, embeddings and final norm, per token of a forward row;
+    per_row_sq: per (row length)^2, for the whole model (the masks), independent of the row count;
+    per_forward: independent of the tokens (the routers' weights cast to fp32 in every MoE layer);
+    layer_input: one layer's input per token (all that gradient checkpointing keeps per layer);
+    layer_max_per_token / layer_max_per_row_sq: the largest single layer (recomputed one at a time under
+    gradient checkpointing); head_per_scored: per scored (masked) token: fp32 hidden, logits, log-softmax."""
+
+    per_token: float
+    per_row_sq: float
+    per_forward: float
+    layer_input: float
+    layer_max_per_token: float
+    layer_max_per_row_sq: float
+    head_per_scored: float
+
+    def saved_bytes(self, rows: int, row_len: int, scored: int, checkpointing: bool = False,
+                    num_layers: int = 1) -> float:
+        """Saved activations of one forward of `rows` rows of `row_len` tokens with `scored` scored tokens."""
+        head = self.head_per_scored * scored
+        if checkpointing:
+            kept = self.layer_input * num_layers * rows * row_len
+            one_layer = self.layer_max_per_token * rows * row_len + self.layer_max_per_row_sq * row_len ** 2
+            return kept + one_layer + head
+        return self.per_token * rows * row_len + self.per_row_sq * row_len ** 2 + self.per_forward + head
+
+
+class _MetaGroupedMM(torch.autograd.Function):
+    """Shape stand-in for `torch._grouped_mm` on the meta device for dtypes its meta function rejects; like
+    the real op's backward it keeps both operands."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b)
+        return a.new_empty(a.shape[0], b.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover (probes never run a backward)
+        raise RuntimeError("meta probe only")
+
+
+@contextlib.contextmanager
+def _meta_grouped_mm(dtype: torch.dtype):
+    if dtype == torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        yield
+        return
+    real = torch._grouped_mm
+    torch._grouped_mm = lambda a, b, offs=None, **kw: _MetaGroupedMM.apply(a, b, offs)
+    try:
+        yield
+    finally:
+        torch._grouped_mm = real
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Shape stand-in for a fused SDPA kernel (flash / memory-efficient, what CPU and GPU dispatch to for
+    these masks) on the meta device, where SDPA would take the math path and keep every head's (L, L)
+    probabilities. Keeps what the fused kernels' backward needs: q, k, v, the output, the fp32 row
+    log-sum-exp and the mask converted to an additive bias of the query dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        bias = mask.new_empty(mask.shape, dtype=q.dtype) if mask is not None else None
+        ctx.save_for_backward(q, k, v, out, lse, *([bias] if bias is not None else []))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover (probes never run a backward)
+        raise RuntimeError("meta probe only")
+
+
+@contextlib.contextmanager
+def _fused_attention():
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda q, k, v, attn_mask=None, **kw: _FusedAttention.apply(q, k, v, attn_mask)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+def saved_tensor_bytes(fn, exclude: list[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct tensors autograd saves while `fn()` runs (views of one base counted once;
+    parameters and `exclude` not counted). Works on real and meta tensors."""
+    skip = {id(t) for t in exclude}
+    seen: dict[int, int] = {}
+
+    def base(t: torch.Tensor) -> torch.Tensor:
+        while t._base is not None:
+            t = t._base
+        return t
+
+    def pack(t: torch.Tensor):
+        b = base(t)
+        if isinstance(b, nn.Parameter) or id(b) in skip or id(b) in seen:
+            return t
+        seen[id(b)] = b.numel() * b.element_size()
+        keep.append(b)  # ids stay unique while the probe runs
+        return t
+
+    keep: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _layer_probe(config: LLaDA2MoeConfig, layer_idx: int, dtype: torch.dtype, length: int) -> int:
+    from ebpo.model.modeling_llada2_moe import LLaDA2MoeDecoderLayer
+
+    with torch.device("meta"):
+        layer = LLaDA2MoeDecoderLayer(config, layer_idx).to(dtype)
+        x = torch.empty(1, length, config.hidden_size, dtype=dtype, requires_grad=True)
+        pos = torch.zeros(1, length, dtype=torch.long)
+        keep = torch.ones(1, 1, length, length, dtype=torch.bool)
+    with _meta_grouped_mm(dtype), _fused_attention():
+        return saved_tensor_bytes(lambda: layer(x, pos, keep), exclude=[x, keep, pos])
+
+
+def probe_activations(config: LLaDA2MoeConfig, dtype: torch.dtype, module_head: bool = False) -> ActivationProfile:
+    """Measure one dense and one MoE layer of `config` on the meta device at three lengths (see module doc).
+    module_head: the LM head runs through its module in checkpointed chunks (ZeRO-3), not the fp32 kernel."""
+    lengths = (64, 128, 256)
+
+    def fit(layer_idx):
+        # b(n) = k + a n + c n^2 (k: per-forward copies such as the router weight cast to fp32)
+        n = torch.tensor(lengths, dtype=torch.float64)
+        b = torch.tensor([_layer_probe(config, layer_idx, dtype, m) for m in lengths], dtype=torch.float64)
+        k, a, c = torch.linalg.solve(torch.stack([torch.ones_like(n), n, n * n], 1), b).tolist()
+        return a, c, k
+
+    kinds = []
+    n_dense = min(config.first_k_dense_replace, config.num_hidden_layers)
+    if n_dense:
+        kinds.append((fit(0), n_dense))
+    if config.num_hidden_layers > n_dense:
+        kinds.append((fit(n_dense), config.num_hidden_layers - n_dense))
+    d = torch.empty((), dtype=dtype).element_size()
+    H = config.hidden_size
+    per_token = sum(a * n for (a, _, _), n in kinds) + H * d + (4 * H + 4 + 2 * H * d)  # embeddings, final norm
+    per_row_sq = sum(c * n for (_, c, _), n in kinds) + 1  # + the bool mask built once per forward
+    per_forward = sum(k * n for (_, _, k), n in kinds)
+    if not module_head and d != 4:  # the fp32 kernel head keeps an fp32 copy of a bf16 head weight
+        per_forward += 4 * config.vocab_size * H
+    # scored positions: the chunked fp32 head (`kernels.logprobs`) keeps the gathered hidden rows in fp32
+    # and one log-sum-exp each; the ZeRO-3 module head keeps its checkpointed chunks' input rows
+    head = 4 * H + 4 if not module_head else H * d + 4
+    return ActivationProfile(per_token=per_token, per_row_sq=per_row_sq, per_forward=per_forward, layer_input=H * d,
+                             layer_max_per_token=max(a for (a, _, _), _ in kinds),
+                             layer_max_per_row_sq=max(c for (_, c, _), _ in kinds) + 1, head_per_scored=head)
+
+
+# --------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class LearnerShape:
+    """What the learner's memory depends on (plain values, taken from a recipe by `ebpo plan`).
+
+    ranks: learner ranks W; dtype: "bf16" or "fp32"; backend: "deepspeed" or "torch"; zero_stage 0-3;
+    offload_optimizer / offload_param: ZeRO CPU offload; reference_copy: a frozen reference model is kept;
+    row_len: a micro-batch row's length in tokens (prompt + response); rows: rows per micro-batch;
+    draws_per_forward: noise draws in one forward with grad; packed: draws share one clean copy;
+    mask_fraction: expected fraction of response tokens masked per draw; response_len: tokens per row that
+    can be scored; checkpointing: gradient checkpointing."""
+
+    ranks: int
+    dtype: str
+    backend: str
+    zero_stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    reference_copy: bool
+    rows: int
+    row_len: int
+    response_len: int
+    draws_per_forward: int
+    packed: bool
+    mask_fraction: float
+    checkpointing: bool
+
+
+def learner_memory(config: LLaDA2MoeConfig, shape: LearnerShape, profile: ActivationProfile | None = None) -> dict:
+    """Bytes per learner GPU: {"weights", "grads", "optimizer", "zero3_gather", "reference", "activations",
+    "total"} and per node's host RAM for offloaded states {"host_per_rank"}."""
+    P = count_parameters(config)["total"]
+    bf16 = shape.dtype == "bf16"
+    w_b, g_b = (2, 2) if bf16 else (4, 4)
+    opt_b = 12 if bf16 else 8  # fp32 master copy (mixed precision only) + two fp32 Adam moments
+    W = shape.ranks
+    sharded = shape.backend == "deepspeed"
+    stage = shape.zero_stage if sharded else 0
+    weights = P * w_b / (W if stage >= 3 else 1)
+    grads = P * g_b / (W if stage >= 2 else 1)
+    optimizer = P * opt_b / (W if stage >= 1 else 1)
+    host = 0.0
+    if sharded and shape.offload_optimizer:
+        host += optimizer
+        optimizer = 0.0
+    if sharded and stage == 3 and shape.offload_param:
+        host += weights
+        weights = 0.0
+    gather = min(ZERO3_MAX_LIVE_PARAMETERS, P) * w_b if stage == 3 else 0.0
+    reference = P * w_b / (W if stage >= 3 else 1) if shape.reference_copy else 0.0
+    profile = profile or probe_activations(config, torch.bfloat16 if bf16 else torch.float32)
+    S = shape.draws_per_forward
+    if shape.packed:
+        rows, row_len = shape.rows, (S + 1) * shape.row_len
+    else:
+        rows, row_len = shape.rows * S, 2 * shape.row_len
+    scored = int(round(shape.rows * S * shape.response_len * shape.mask_fraction))
+    acts = profile.saved_bytes(rows, row_len, scored, shape.checkpointing, config.num_hidden_layers)
+    total = weights + grads + optimizer + gather + reference + acts
+    return {"weights": weights, "grads": grads, "optimizer": optimizer, "zero3_gather": gather,
+            "reference": reference, "activations": acts, "total": total, "host_per_rank": host,
+            "forward_rows": rows, "forward_row_len": row_len, "scored_tokens": scored}
+
+
+def rollout_memory(config: LLaDA2MoeConfig, fp8: bool, sequences: int, seq_len: int, block_size: int) -> dict:
+    """Bytes per rollout GPU: bf16 weights (FP8: quantised linear layers, 1 byte + one fp32 scale per
+    128x128 block), a bf16 KV cache for `sequences` rows of `seq_len` tokens, and the fp32 logits of one
+    block per row. {"weights", "kv_cache", "logits", "total"}."""
+    counts = count_parameters(config)
+    if fp8:
+        weights = counts["linear"] * (1 + 4 / (128 * 128)) + (counts["total"] - counts["linear"]) * 2
+    else:
+        weights = counts["total"] * 2
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2 * sequences * seq_len
+    logits = sequences * block_size * config.vocab_size * 4
+    return {"weights": weights, "kv_cache": kv, "logits": logits, "total": weights + kv + logits}
