@@ -73,33 +73,49 @@ class NoiseDraws:
 
     masked: (N, B, L) bool, response positions replaced by the mask token in draw n.
     t: (N, B, nb) fp32 noise level of every (draw, sequence, block); nb = ceil(L / K).
-    weight: (N, B, L) fp32, 1 / t of the position's block where masked, else 0.
+    weight: (N, B, L) fp32, 1 / t of the position's block where masked, the T2T weight where substituted,
+        else 0.
     block_size: K.
+    substituted: None (mask-only draws) or (N, B, L) bool, visible response positions whose token is
+        replaced by `sub_ids` in draw n (T2T noise, `ebpo.core.editing`); disjoint from `masked`.
+    sub_ids: None or (N, B, L) long, the substitute token at substituted positions (ignored elsewhere).
     """
 
     masked: torch.Tensor
     t: torch.Tensor
     weight: torch.Tensor
     block_size: int
+    substituted: torch.Tensor | None = None
+    sub_ids: torch.Tensor | None = None
 
     @property
     def n_draws(self) -> int:
         return self.masked.shape[0]
 
+    def scored(self) -> torch.Tensor:
+        """(N, B, L) bool: positions that carry a log-prob term (masked, and substituted when present)."""
+        return self.masked if self.substituted is None else self.masked | self.substituted
+
+    def _cut(self, idx, length=None) -> "NoiseDraws":
+        def cut(x):
+            return None if x is None else (x[:, idx] if length is None else x[:, idx][..., :length])
+
+        t = self.t[:, idx] if length is None else self.t[:, idx][..., : length // self.block_size]
+        return NoiseDraws(cut(self.masked), t, cut(self.weight), self.block_size, cut(self.substituted),
+                          cut(self.sub_ids))
+
     def rows(self, idx: torch.Tensor) -> "NoiseDraws":
         """The draws of the sequences `idx` (a minibatch), same draws."""
-        return NoiseDraws(self.masked[:, idx], self.t[:, idx], self.weight[:, idx], self.block_size)
+        return self._cut(idx)
 
     def take(self, idx: torch.Tensor, length: int | None = None) -> "NoiseDraws":
         """The draws of the sequences `idx`, cut to the first `length` positions (a whole number of blocks;
         None = all): what a micro-batch trimmed of trailing padding blocks needs."""
-        sub = self.rows(idx)
-        if length is None or length >= sub.masked.shape[-1]:
-            return sub
+        if length is None or length >= self.masked.shape[-1]:
+            return self.rows(idx)
         if length % self.block_size:
             raise ValueError(f"NoiseDraws.take: length {length} is not a multiple of the block size {self.block_size}")
-        return NoiseDraws(sub.masked[..., :length], sub.t[..., : length // self.block_size],
-                          sub.weight[..., :length], self.block_size)
+        return self._cut(idx, length)
 
 
 NOISE_FORMS = ("bernoulli", "exact_elbo")
@@ -214,6 +230,25 @@ def _unwrap_hidden(out) -> torch.Tensor:
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
+def _noisy_inputs(noise: NoiseDraws, draws: Sequence[int], input_ids: torch.Tensor, mask_token_id: int):
+    """(noisy ids, scored positions, weights), each (S, B, L), of the draws `draws` on input_ids' device.
+
+    noisy = mask token at masked positions, the substitute at substituted ones (T2T draws), else the clean
+    token; scored = the positions whose clean token carries a log-prob term. Mask-only draws take exactly
+    the operations they always took, so their composites stay bit for bit what they were.
+    """
+    dev = input_ids.device
+    idx = torch.as_tensor(list(draws), device=noise.masked.device, dtype=torch.long)
+    masked = noise.masked.index_select(0, idx).to(dev)  # (S, B, L)
+    weight = noise.weight.index_select(0, idx).to(dev)
+    visible = input_ids[None]
+    if noise.substituted is not None:
+        sub = noise.substituted.index_select(0, idx).to(dev)
+        visible = torch.where(sub, noise.sub_ids.index_select(0, idx).to(dev).to(input_ids.dtype), visible)
+    noisy = torch.where(masked, torch.full((), mask_token_id, device=dev, dtype=input_ids.dtype), visible)
+    return noisy, (masked if noise.substituted is None else masked | sub), weight
+
+
 def composite_logprobs(model, input_ids: torch.Tensor, noise: NoiseDraws, draws: Sequence[int], mask_token_id: int,
                        packed: bool = False, return_blocks: bool = False, use_module_head: bool = False):
     """Composites C (B, S) of the draws `draws` (S of them) in one forward.
@@ -227,10 +262,7 @@ def composite_logprobs(model, input_ids: torch.Tensor, noise: NoiseDraws, draws:
     K = noise.block_size
     S = len(draws)
     dev = input_ids.device
-    idx = torch.as_tensor(list(draws), device=noise.masked.device, dtype=torch.long)
-    masked = noise.masked.index_select(0, idx).to(dev)  # (S, B, L)
-    weight = noise.weight.index_select(0, idx).to(dev)
-    noisy = torch.where(masked, torch.full((), mask_token_id, device=dev, dtype=input_ids.dtype), input_ids[None])
+    noisy, scored, weight = _noisy_inputs(noise, draws, input_ids, mask_token_id)  # (S, B, L) each
     if packed:
         ids = torch.cat([noisy.permute(1, 0, 2).reshape(B, S * L), input_ids], dim=1)  # (B, (S+1)L)
         keep = packed_noisy_clean_mask(L, K, S, device=dev)[None, None]
@@ -243,14 +275,14 @@ def composite_logprobs(model, input_ids: torch.Tensor, noise: NoiseDraws, draws:
         pos = noisy_clean_position_ids(L, 1, device=dev)
         h = _unwrap_hidden(model(input_ids=ids, attention_mask=keep, position_ids=pos, return_logits=False))
         h_noisy = h[:, :L].reshape(S, B, L, -1)
-    return _scatter_composites(model, h_noisy, input_ids, masked, weight, K, return_blocks, use_module_head)
+    return _scatter_composites(model, h_noisy, input_ids, scored, weight, K, return_blocks, use_module_head)
 
 
-def _scatter_composites(model, h_noisy, input_ids, masked, weight, K, return_blocks, use_module_head):
-    """h_noisy (S, B, L, H), masked/weight (S, B, L) -> C (B, S) [and per-block terms (B, S, nb)]."""
-    S, B, L = masked.shape
+def _scatter_composites(model, h_noisy, input_ids, scored, weight, K, return_blocks, use_module_head):
+    """h_noisy (S, B, L, H), scored/weight (S, B, L) -> C (B, S) [and per-block terms (B, S, nb)]."""
+    S, B, L = scored.shape
     # Gather only loss positions before the LM head: (M, H) rows instead of S*B*L*V logits.
-    sel = masked.nonzero(as_tuple=True)  # (s, b, l) indices
+    sel = scored.nonzero(as_tuple=True)  # (s, b, l) indices
     logp = gathered_logprobs(model, h_noisy[sel], input_ids[sel[1], sel[2]], use_module_head)
     contrib = logp * weight[sel]
     nb = (L + K - 1) // K
@@ -284,16 +316,13 @@ def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws,
     dev = input_ids.device
     cfg = model.config
     cache = BlockKVCache.for_model(cfg, B, L, dtype=model.get_output_embeddings().weight.dtype, device=dev)
-    idx = torch.as_tensor(list(draws), device=noise.masked.device, dtype=torch.long)
-    masked = noise.masked.index_select(0, idx).to(dev)  # (S, B, L)
-    weight = noise.weight.index_select(0, idx).to(dev)
-    noisy = torch.where(masked, torch.full((), mask_token_id, device=dev, dtype=input_ids.dtype), input_ids[None])
+    noisy, scored, weight = _noisy_inputs(noise, draws, input_ids, mask_token_id)  # (S, B, L) each
     if by_block:
         nb = (L + K - 1) // K
         padded = torch.zeros(S, B, nb * K, dtype=torch.bool, device=dev)
-        padded[..., :L] = masked
-        scored = padded.view(S, B, nb, K).any(-1).any(1).any(0).tolist()  # (nb,) one host sync
-        first = next((b for b in range(nb) if scored[b]), nb)  # leading blocks no copy masks (prompt blocks)
+        padded[..., :L] = scored
+        live = padded.view(S, B, nb, K).any(-1).any(1).any(0).tolist()  # (nb,) one host sync
+        first = next((b for b in range(nb) if live[b]), nb)  # leading blocks no copy masks (prompt blocks)
         if first:  # clean only: keys/values for the blocks after them
             model(input_ids=input_ids[:, : first * K], attention_mask=CopyBlockLayout(1, K),
                   position_ids=torch.arange(first * K, device=dev), past_key_values=cache, return_logits=False)
@@ -311,7 +340,7 @@ def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws,
                 cache.commit([0] * (S * B) + [hi - lo] * B)
             h_noisy.append(h[: S * B].view(S, B, hi - lo, -1))
         h = torch.cat(h_noisy, 2)
-        return _scatter_composites(model, h, input_ids, masked, weight, K, return_blocks, use_module_head)
+        return _scatter_composites(model, h, input_ids, scored, weight, K, return_blocks, use_module_head)
     pos = torch.arange(L, device=dev)
     model(input_ids=input_ids, attention_mask=block_causal_mask(L, K, device=dev)[None, None], position_ids=pos,
           past_key_values=cache, return_logits=False)
@@ -322,29 +351,28 @@ def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws,
     rows = [b for _ in range(S) for b in range(B)]
     h = _unwrap_hidden(model(input_ids=noisy.reshape(S * B, L), attention_mask=keep, position_ids=pos,
                              past_key_values=cache, cache_rows=rows, return_logits=False)).reshape(S, B, L, -1)
-    return _scatter_composites(model, h, input_ids, masked, weight, K, return_blocks, use_module_head)
+    return _scatter_composites(model, h, input_ids, scored, weight, K, return_blocks, use_module_head)
 
 
 def composite_logprobs_blockwise(model, input_ids: torch.Tensor, noise: NoiseDraws, draw: int, mask_token_id: int,
                                  use_module_head: bool = False) -> torch.Tensor:
     """Baseline: the composite (B,) of one draw scored block by block, one forward per block.
 
-    For every block b holding a masked response token, forward `[clean blocks < b ; noisy block b]`
+    For every block b holding a scored response token, forward `[clean blocks < b ; noisy block b]`
     with the model's default block-causal mask. Slow (sum over blocks of (b+1)K tokens); used by the
     benchmark as the per-block loop the vectorized layout replaces.
     """
     B, L = input_ids.shape
     K = noise.block_size
     dev = input_ids.device
-    masked = noise.masked[draw].to(dev)
-    weight = noise.weight[draw].to(dev)
+    noisy, scored, weight = (x[0] for x in _noisy_inputs(noise, [draw], input_ids, mask_token_id))
     comp = torch.zeros(B, device=dev)
     for b in range((L + K - 1) // K):
         lo, hi = b * K, min((b + 1) * K, L)
-        m = masked[:, lo:hi]
+        m = scored[:, lo:hi]
         if not m.any():
             continue
-        noisy_block = torch.where(m, torch.full((), mask_token_id, device=dev, dtype=input_ids.dtype), input_ids[:, lo:hi])
+        noisy_block = noisy[:, lo:hi]
         ids = torch.cat([input_ids[:, :lo], noisy_block], dim=1)
         h = _unwrap_hidden(model(input_ids=ids, attention_mask=block_causal_mask(hi, K, device=dev)[None, None],
                                  position_ids=torch.arange(hi, device=dev), return_logits=False))[:, lo:hi]

@@ -26,6 +26,7 @@ from ebpo.core.algos import KL_ESTIMATORS, ebpo_loss
 from ebpo.infra.config import doc
 from ebpo.infra.distributed import all_reduce_grads, init_distributed
 from ebpo.rl.sharding import balance_by_tokens, loss_weight, padded_lengths, token_microbatches
+from ebpo.core.editing import T2T_SOURCES, editing_draws, t2t_stats
 from ebpo.core.likelihood import all_composites, direct_backward, draw_noise, replay_backward, response_mask_from_ids
 
 LORA_TARGETS = ["query_key_value", "dense", "gate_proj", "up_proj", "down_proj"]
@@ -52,6 +53,11 @@ class LearnerConfig:
         "[t_min, t_max], weight 1/t, one mask forced per block) or exact_elbo (exactly k ~ U{1..m} of a "
         "block's m response tokens masked, weight m/k: LLaDA's ELBO, t_min/t_max unused; the default: lower "
         "log-ratio variance, docs/ebpo.md)", "exact_elbo")
+    t2t_weight: float = doc("editing-aware composite (docs/ebpo.md): weight lambda of the T2T terms (a substituted "
+                            "token scores log p(clean) x lambda / t2t_rate); 0 = mask-only, bit for bit", 0.0)
+    t2t_rate: float = doc("fraction of the visible response tokens of each draw substituted (t2t_weight > 0)", 0.15)
+    t2t_source: Literal["uniform", "draft", "mixed"] = doc("substitutes: uniform random tokens (SFT T2T stream), "
+                                                           "the policy's sampled drafts (MTF) or half each", "uniform")
     eps_low: float = doc("clip: ratio floor 1 - eps_low for negative advantages", 0.2)
     eps_high: float = doc("clip: ratio ceiling 1 + eps_high for positive advantages", 0.28)
     dual_clip: Optional[float] = doc("dual clip c > 1: for negative advantages the objective is at least c * A, so "
@@ -104,6 +110,9 @@ class LearnerConfig:
             ("t_min", 0 < self.t_min <= self.t_max, "need 0 < t_min <= t_max"),
             ("t_max", self.t_max <= 1, "must be <= 1"),
             ("noise", self.noise in ("bernoulli", "exact_elbo"), "choose bernoulli or exact_elbo"),
+            ("t2t_weight", self.t2t_weight >= 0, "must be >= 0 (0 = mask-only composite)"),
+            ("t2t_rate", 0 < self.t2t_rate < 1, "must lie in (0, 1)"),
+            ("t2t_source", self.t2t_source in T2T_SOURCES, f"choose one of {list(T2T_SOURCES)}"),
             ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1)"),
             ("eps_high", self.eps_high >= 0, "must be >= 0"),
             ("dual_clip", self.dual_clip is None or self.dual_clip > 1, "must be > 1 or null"),
@@ -360,6 +369,8 @@ class EBPOLearner:
         adv, lengths = b["advantages"].to(dev), b["lengths"].to(dev)
         B = ids.shape[0]
         noise = draw_noise(resp, self.block_size, cfg.n_draws, cfg.t_min, cfg.t_max, self.generator, cfg.noise)
+        if cfg.t2t_weight > 0:  # a generator of its own: the M2T draws and minibatch order stay the mask-only ones
+            noise = editing_draws(noise, ids, resp, cfg, self.fwd, self.model_config, self.updates_done)
         perm = torch.randperm(B, generator=self.generator)
         mbs = list(perm.split(cfg.minibatch_size or B))
         if min(len(mb) for mb in mbs) < self.world_size:
@@ -439,7 +450,7 @@ class EBPOLearner:
         metrics["actor/log_ratio_max"] = lr_max
         metrics["actor/lr"] = self.lr_now
         metrics["actor/nonfinite_steps"] = float(self._nonfinite)  # a count per update, not a mean
-        metrics.update(self._likelihood_stats(old, blocks, noise, resp, lengths))
+        metrics.update(self._likelihood_stats(old, blocks, noise, resp, lengths), **t2t_stats(noise))
         metrics["timing_s/old_logprob"] = t_old
         metrics["timing_s/update"] = time.perf_counter() - t0
         return metrics
