@@ -33,6 +33,8 @@ class GenerationOutput:
         step last wrote it. num_forwards counts every forward the sequence took part in (block steps and
         MBE passes; the prompt's cache prefill and block commits ride along and are not extra forwards).
     num_edits: tokens rewritten after being visible (T2T edits plus MBE edits); num_mbe_edits: the MBE part.
+    edit_log: every such rewrite in order, as (offset from the prompt's end, old token, new token) (empty
+        with `compiled_step`, which keeps counts only): what `rollout.edits.edit_counts` scores.
     tail_ids: the rest of the canvas's block that holds the last token of token_ids (what the decoder wrote
         after the first EOS, or past max_new_tokens): the RL learner scores it with the response, so that
         it sees the canvas that was sampled, block for block (docs/ebpo.md).
@@ -48,6 +50,7 @@ class GenerationOutput:
     trace: list[int]
     finished_by_eos: bool
     tail_ids: list[int] = field(default_factory=list)
+    edit_log: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +85,7 @@ class _Seq:
     mbe_start: int | None = None  # first block of the MBE window while MBE passes run, else None
     mbe_passes: int = 0
     mbe_first_changed: int | None = None
+    edit_log: list = field(default_factory=list)  # (position, old, new) of every rewrite
 
 
 def _eos_ids(config) -> set[int]:
@@ -274,6 +278,9 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
             for j, i in enumerate(block_idx):
                 r, s = rows[i], seqs[rows[i]]
                 s.edits += n_edit[j]
+                if n_edit[j]:
+                    e = res.t2t[j]
+                    s.edit_log += zip((pos[j][e] - s.prompt_len).tolist(), cur[j][e].tolist(), res.new[j][e].tolist())
                 # commit the blocks before the active one; the active block too when it ended with a step
                 # that wrote nothing (its keys/values were then computed from its final tokens)
                 commit[i] = t_start[i] - q_start[i] + (K if done_l[j] and not any_write[j] else 0)
@@ -300,6 +307,8 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
             trace[r, pos] = torch.where(change, s.forwards, trace[r, pos])
             changed = pos[change]
             n_changed = int(changed.numel())
+            if n_changed:
+                s.edit_log += zip((changed - s.prompt_len).tolist(), cur[change].tolist(), tok[change].tolist())
             s.mbe_edits += n_changed
             s.edits += n_changed
             if n_changed:
@@ -390,4 +399,4 @@ def _output(prompt: list[int], s: _Seq, canvas_row: torch.Tensor, trace_row: tor
         text = tokenizer.decode(toks, skip_special_tokens=True)
     return GenerationOutput(prompt_ids=prompt, token_ids=toks, text=text, num_forwards=s.forwards,
                             tpf=len(toks) / max(s.forwards, 1), num_edits=s.edits, num_mbe_edits=s.mbe_edits,
-                            trace=tr, finished_by_eos=cut is not None, tail_ids=tail)
+                            trace=tr, finished_by_eos=cut is not None, tail_ids=tail, edit_log=list(s.edit_log))

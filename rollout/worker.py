@@ -59,7 +59,8 @@ class RolloutWorker:
             outs = generate(self.model, prompt_ids, config, tokenizer=self.tokenizer, seeds=seeds)
         return [
             {"token_ids": list(o.token_ids), "text": o.text, "num_forwards": o.num_forwards, "tpf": o.tpf,
-             "num_edits": o.num_edits, "finished_by_eos": o.finished_by_eos, "tail_ids": list(o.tail_ids)}
+             "num_edits": o.num_edits, "finished_by_eos": o.finished_by_eos, "tail_ids": list(o.tail_ids),
+             "edit_log": [list(e) for e in o.edit_log]}
             for o in outs
         ]
 

@@ -59,16 +59,20 @@ def main(argv: list[str]) -> int:
                             chat_template=not args.no_chat_template, keep_samples=args.samples)
         results[preset] = {"accuracy": res.accuracy, "task_accuracy": res.task_accuracy(), "tpf": res.tpf,
                            "forwards_per_seq": res.forwards / len(rows), "edits_per_seq": res.edits / len(rows),
-                           "wall_s": res.wall_s, "rows": len(rows), "samples": res.samples}
+                           "wall_s": res.wall_s, "rows": len(rows), "samples": res.samples,
+                           "edits": {k.split("/", 1)[1]: v for k, v in res.metrics("/").items()
+                                     if k.endswith(("edit_precision", "fixes_per_seq", "breaks_per_seq"))}}
         for s in res.samples:
             console.print(f"[{preset}] {s['prompt']!r} -> {s['completion']!r} correct={s['correct']}")
     tasks = sorted({t for r in results.values() for t in r["task_accuracy"]})
     table = Table(title=f"{args.model}: held-out accuracy ({len(rows)} rows, greedy)")
-    for col in ["preset", *[f"{t} acc" for t in tasks], "all acc", "TPF", "edits/seq", "s"]:
+    for col in ["preset", *[f"{t} acc" for t in tasks], "all acc", "TPF", "edits/seq", "edit prec.", "s"]:
         table.add_column(col, justify="right")
     for preset, r in results.items():
         table.add_row(preset, *[f"{r['task_accuracy'].get(t, float('nan')):.3f}" for t in tasks],
-                      f"{r['accuracy']:.3f}", f"{r['tpf']:.2f}", f"{r['edits_per_seq']:.2f}", f"{r['wall_s']:.1f}")
+                      f"{r['accuracy']:.3f}", f"{r['tpf']:.2f}", f"{r['edits_per_seq']:.2f}",
+                      " ".join(f"{k.split('/')[0]} {v:.2f}" for k, v in r["edits"].items() if k.endswith("precision")),
+                      f"{r['wall_s']:.1f}")
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:

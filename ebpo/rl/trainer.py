@@ -393,6 +393,14 @@ class RLTrainer:
         solved = [x for v in per_task.values() for x in v]
         m["eval/accuracy"] = sum(solved) / len(solved)
         m["eval/tpf"] = sum(len(o["token_ids"]) for o in outs) / max(sum(o["num_forwards"] for o in outs), 1)
+        m["eval/edits_per_seq"] = sum(o["num_edits"] for o in outs) / len(outs)
+        # edit precision of the decoder's rewrites against the rows' correct responses (rollout/edits.py)
+        from ebpo.sft.evaluation import edit_metrics, reference_ids
+        from rollout.edits import edit_counts
+
+        refs = [reference_ids(self.tokenizer, r) for r in self.eval_rows]
+        m.update(edit_metrics([r.get("task") or self.reward_names[0] for r in self.eval_rows],
+                              [None if f is None else edit_counts(o.get("edit_log", []), f) for o, f in zip(outs, refs)]))
         return m
 
     # ----------------------------------------------------------------------------------------- checkpoints

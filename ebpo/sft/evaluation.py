@@ -8,6 +8,11 @@ fields) groups the accuracy. A row counts as solved when its task's reward gives
 (math-verify equivalence of the completion's final answer) or `code` (every test passes in the sandbox).
 Decoding is greedy (the presets' temperature 0) and one seed per row, so results are reproducible.
 
+Edit precision (`rollout.edits`): rows that carry their correct `response` (the arithmetic task does)
+get each decoder rewrite scored as a fix (it writes the reference token) or a break (it overwrites the
+reference token); `metrics()` reports `<task>/edit_precision` = fixes / (fixes + breaks) over the set and
+`<task>/{edits,fixes,breaks}_per_seq`.
+
 Preset names: the decoder's presets (`quality`, `speed`, `m2t`) plus `speed_noedit`, Speedy Mode with
 the T2T editing step switched off (see `PRESETS`).
 """
@@ -111,6 +116,7 @@ class EvalResult:
     edits: int
     wall_s: float
     samples: list[dict] = field(default_factory=list)
+    edit_counts: list = field(default_factory=list)  # per row: rollout.edits.EditCounts, None without a reference
 
     @property
     def accuracy(self) -> float:
@@ -133,7 +139,33 @@ class EvalResult:
         m.update({f"{prefix}accuracy": self.accuracy, f"{prefix}tpf": self.tpf,
                   f"{prefix}forwards_per_seq": self.forwards / n, f"{prefix}edits_per_seq": self.edits / n,
                   f"{prefix}wall_s": self.wall_s})
+        m.update(edit_metrics(self.tasks, self.edit_counts, prefix))
         return m
+
+
+def edit_metrics(tasks: list[str], counts: list, prefix: str = "eval/") -> dict[str, float]:
+    """`<prefix><task>/{edit_precision,edits_per_seq,fixes_per_seq,breaks_per_seq}` over the rows of each task
+    whose `counts` entry (a `rollout.edits.EditCounts`) is not None (rows with a reference response)."""
+    from rollout.edits import EditCounts
+
+    by_task: dict[str, list] = {}
+    for t, c in zip(tasks, counts):
+        if c is not None:
+            by_task.setdefault(t, []).append(c)
+    m = {}
+    for t, cs in sorted(by_task.items()):
+        total = sum(cs, EditCounts())
+        n = len(cs)
+        m.update({f"{prefix}{t}/edit_precision": total.precision, f"{prefix}{t}/edits_per_seq": total.edits / n,
+                  f"{prefix}{t}/fixes_per_seq": total.fixes / n, f"{prefix}{t}/breaks_per_seq": total.breaks / n})
+    return m
+
+
+def reference_ids(tokenizer, row: dict) -> list[int] | None:
+    """The row's correct completion as token ids ending with EOS (as SFT trains on it), None without `response`."""
+    if not row.get("response"):
+        return None
+    return tokenizer(str(row["response"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
 def decode_config(preset: str, decode: dict | None = None):
@@ -170,6 +202,10 @@ def evaluate_rows(model, tokenizer, rows: list[dict], preset: str = "quality", d
     correct = score_rows(rows, texts)
     samples = [{"prompt": r[prompt_field], "completion": t, "correct": c}
                for r, t, c in zip(rows[:keep_samples], texts, correct)]
+    from rollout.edits import edit_counts
+
+    refs = [reference_ids(tokenizer, r) for r in rows]
+    counts = [None if ref is None else edit_counts(o.edit_log, ref) for o, ref in zip(outs, refs)]
     return EvalResult(preset=preset, tasks=[task_of(r) for r in rows], correct=correct,
                       tokens=sum(len(o.token_ids) for o in outs), forwards=sum(o.num_forwards for o in outs),
-                      edits=sum(o.num_edits for o in outs), wall_s=wall, samples=samples)
+                      edits=sum(o.num_edits for o in outs), wall_s=wall, samples=samples, edit_counts=counts)
