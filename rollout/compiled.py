@@ -185,6 +185,9 @@ def check_supported(cfg, on_step) -> None:
     if cfg.mbe_window > 0:
         raise ValueError("DecodeConfig.compiled_step: Multi-Block Editing (mbe_window > 0) runs only in the eager "
                          "decoder; set compiled_step=false")
+    if cfg.early_commit is not None:
+        raise ValueError("DecodeConfig.compiled_step: early_commit runs only in the eager decoder; set "
+                         "compiled_step=false")
     if not cfg.use_cache:
         raise ValueError("DecodeConfig.compiled_step needs use_cache=true (the step attends a fixed-size KV cache)")
     if on_step is not None:

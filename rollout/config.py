@@ -32,6 +32,10 @@ class DecodeConfig:
     top_p: nucleus filtering mass (1.0 = off).
     repetition_penalty: lambda subtracted from the logit, at position i, of the token currently at
         position i-1 (SGLang's anti-repetition penalty, about 3 is typical); 0 = off.
+    early_commit: None (off, the default: the reference rule) or a threshold in [0, 1]: the block ends right
+        after the iteration that fills its last masks when every token that iteration filled has
+        probability > early_commit and it edited nothing, instead of spending a confirming post-step
+        forward (with 8-token blocks that forward caps TPF at 4). Eager decoder only.
     mbe_window: Multi-Block Editing: after a block ends, the last W earlier blocks and that block are
         revised together (0 = off).
     mbe_tau: MBE threshold: a token in the window is replaced when the candidate differs with prob > mbe_tau.
@@ -53,6 +57,7 @@ class DecodeConfig:
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 0.0
+    early_commit: float | None = None
     mbe_window: int = 0
     mbe_tau: float = 0.9
     mbe_max_passes: int = 2
@@ -112,6 +117,8 @@ class DecodeConfig:
             bad("top_p", "a number in (0, 1] (1 = off)")
         if not (is_num(self.repetition_penalty) and self.repetition_penalty >= 0):
             bad("repetition_penalty", "a number >= 0 (0 = off)")
+        if self.early_commit is not None and not (is_num(self.early_commit) and 0.0 <= self.early_commit <= 1.0):
+            bad("early_commit", "None (off) or a number in [0, 1]")
         if not (is_int(self.mbe_window) and self.mbe_window >= 0):
             bad("mbe_window", "an integer >= 0 (0 = off)")
         if not (is_num(self.mbe_tau) and 0.0 <= self.mbe_tau <= 1.0):

@@ -269,7 +269,7 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
             res = block_step(tok, prob, cur, protected, mask_id, cfg.tau_mask, cfg.tau_edit, cfg.num_to_transfer)
             block_iters[brows] += 1
             done, post_steps[brows] = block_done(res, post_steps[brows], block_iters[brows], cfg.max_post_steps,
-                                                 block_cap, cfg.editing)
+                                                 block_cap, cfg.editing, prob, cfg.early_commit)
             canvas[brows[:, None], pos] = res.new
             written = res.m2t | res.t2t
             fwd = torch.tensor([seqs[rows[i]].forwards for i in block_idx], device=dev)[:, None]

@@ -61,7 +61,8 @@ def block_step(tok: torch.Tensor, prob: torch.Tensor, cur: torch.Tensor, protect
 
 
 def block_done(res: StepResult, post_steps: torch.Tensor, block_iters: torch.Tensor, max_post_steps: int,
-               block_cap: int, editing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               block_cap: int, editing: bool, prob: torch.Tensor | None = None,
+               early_commit: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-end rule (docs/background.md section 3, step 5). Returns (done (B,) bool, post_steps (B,) long).
 
     post_steps / block_iters: (B,) long counts *including* this iteration's forward in block_iters.
@@ -70,7 +71,10 @@ def block_done(res: StepResult, post_steps: torch.Tensor, block_iters: torch.Ten
       - no masks remain and `max_post_steps` post-steps have been taken (0 = end as soon as the block is
         full), or
       - no masks remain and editing is off (a post-step could not edit, so it is not run), or
-      - the block has used `block_cap` forwards (SGLang's K + max_post_steps + 1 safety cap).
+      - the block has used `block_cap` forwards (SGLang's K + max_post_steps + 1 safety cap), or
+      - (early commit, off unless `early_commit` is a number; `prob` (B, K) the candidates' probabilities)
+        this iteration filled the last masks, every token it filled has prob > early_commit and it edited
+        nothing: the confirming post-step is skipped.
     """
     post = ~res.had_masks
     post_steps = post_steps + post.long()
@@ -79,6 +83,9 @@ def block_done(res: StepResult, post_steps: torch.Tensor, block_iters: torch.Ten
     done = (post & ~edited) | (full & (post_steps >= max_post_steps)) | (block_iters >= block_cap)
     if not editing:
         done = done | full
+    if early_commit is not None:
+        sure = prob.masked_fill(~res.m2t, float("inf")).amin(-1) > early_commit
+        done = done | (res.had_masks & full & ~edited & sure)
     return done, post_steps
 
 

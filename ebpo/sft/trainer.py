@@ -77,6 +77,7 @@ class SFTTrainer:
         base = load_model(spec, dtype=dtype, device=self.device)
         self.model_config = base.config
         self.block_size = cfg.block_size or base.config.block_size
+        base.config.block_size = self.block_size  # the exported model says which blocks it was trained on
         self.mask_id = base.config.mask_token_id
         exclude = set(self.tokenizer.all_special_ids) - {self.tokenizer.eos_token_id} | {self.mask_id}
         self.allowed_ids = substitution_ids(base.config.vocab_size, sorted(exclude))

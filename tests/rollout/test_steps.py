@@ -83,3 +83,41 @@ def test_block_done_rule():
 def test_penalty_targets():
     prev = torch.tensor([[5, MASK, 7]])
     assert penalty_targets(prev, MASK).tolist() == [[5, -1, 7]]
+
+
+def test_early_commit_ends_a_block_only_after_a_confident_last_fill_without_edits():
+    # rows: (1) last masks filled at 0.95/0.97, no edit; (2) the same but one fill at 0.80;
+    # (3) last masks filled confidently but an edit in the same step; (4) masks left after a confident fill;
+    # (5) a post-step (no masks at the start) that edited
+    m2t = torch.tensor([[True, True, False], [True, True, False], [True, False, False], [True, False, False],
+                        [False, False, False]])
+    t2t = torch.tensor([[False] * 3, [False] * 3, [False, True, False], [False] * 3, [False, True, False]])
+    res = StepResult(new=None, m2t=m2t, t2t=t2t, had_masks=torch.tensor([True, True, True, True, False]),
+                     masks_left=torch.tensor([0, 0, 0, 1, 0]))
+    prob = torch.tensor([[0.95, 0.97, 0.1], [0.95, 0.80, 0.99], [0.99, 0.2, 0.2], [0.99, 0.2, 0.2], [0.99] * 3])
+    post, iters = torch.zeros(5, dtype=torch.long), torch.full((5,), 3)
+    off, _ = block_done(res, post, iters, max_post_steps=3, block_cap=20, editing=True, prob=prob)
+    assert not off.any(), "early_commit None is the reference rule: a filled block still gets its post-step"
+    done, _ = block_done(res, post, iters, max_post_steps=3, block_cap=20, editing=True, prob=prob, early_commit=0.9)
+    assert done.tolist() == [True, False, False, False, False]
+    low, _ = block_done(res, post, iters, max_post_steps=3, block_cap=20, editing=True, prob=prob, early_commit=0.5)
+    assert low.tolist() == [True, True, False, False, False]
+
+
+def test_early_commit_decodes_with_fewer_forwards_and_is_refused_by_the_compiled_step():
+    from ebpo.model import LLaDA2MoeModelLM, tiny_config
+    from rollout import DecodeConfig, generate
+
+    torch.manual_seed(0)
+    model = LLaDA2MoeModelLM(tiny_config()).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # confident candidates
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    base = generate(model, prompts, DecodeConfig.preset("speed", max_new_tokens=32, stop_at_eos=False))
+    fast = generate(model, prompts, DecodeConfig.preset("speed", max_new_tokens=32, stop_at_eos=False,
+                                                        early_commit=0.0))
+    assert sum(o.num_forwards for o in fast) < sum(o.num_forwards for o in base)
+    with pytest.raises(ValueError, match="early_commit"):
+        generate(model, prompts, DecodeConfig.preset("speed", early_commit=0.5, compiled_step=True))
+    with pytest.raises(ValueError, match="early_commit"):
+        DecodeConfig.preset("speed", early_commit=1.5)
