@@ -2,7 +2,6 @@
 canvases its `on_step` events show, and the evaluation metrics built from both."""
 import math
 
-import torch
 
 from ebpo.sft.evaluation import EvalResult, edit_metrics
 from rollout import DecodeConfig, generate
