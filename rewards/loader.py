@@ -19,6 +19,7 @@ BUILTINS = {
     "format": "rewards.format_reward:format_reward",
     "format_boxed": "rewards.format_reward:format_boxed",
     "format_code": "rewards.format_reward:format_code",
+    "decode_cost": "rewards.decode_cost:decode_cost",
 }
 
 

@@ -283,10 +283,12 @@ class RLTrainer:
                         f"data.max_prompt_tokens = {d.max_prompt_tokens} tokens (data.overlong_prompts=filter)")
         return rows
 
-    def _reward_sample(self, row: dict, completion: str) -> dict:
+    def _reward_sample(self, row: dict, completion: str, out: dict | None = None) -> dict:
+        meta = {k: v for k, v in row.items() if k not in ("prompt", "answer", "tests", "response")}
+        if out is not None:  # the rollout's decode trace, for rewards on decoding cost (rewards/decode_cost.py)
+            meta["decode"] = {"forwards": out["num_forwards"], "tokens": len(out["token_ids"])}
         return {"prompt": row[self.cfg.data.prompt_field], "completion": completion, "answer": row.get("answer"),
-                "tests": row.get("tests"), "metadata": {k: v for k, v in row.items()
-                                                        if k not in ("prompt", "answer", "tests", "response")}}
+                "tests": row.get("tests"), "metadata": meta}
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None) -> list[dict]:
         """Spread prompts over the rollout workers, in order; a dead worker is restarted and its share retried."""
@@ -332,7 +334,7 @@ class RLTrainer:
             with timed("rollout"):
                 new_samples = self.generate(new_ids, seeds)
             with timed("reward"):
-                results += self.score([self._reward_sample(new_rows[i // G], s["text"])
+                results += self.score([self._reward_sample(new_rows[i // G], s["text"], s)
                                        for i, s in enumerate(new_samples)])
             rows, prompt_ids, samples = rows + new_rows, prompt_ids + new_ids, samples + new_samples
             group_ids = torch.arange(len(rows)).repeat_interleave(G)
@@ -384,7 +386,7 @@ class RLTrainer:
         decode = {"preset": self.cfg.rollout.eval_preset, **self.cfg.rollout.eval_decode}
         prompts = [self.encode_prompt(r) for r in self.eval_rows]
         outs = self.generate(prompts, [0] * len(prompts), decode)
-        results = self.score([self._reward_sample(r, o["text"]) for r, o in zip(self.eval_rows, outs)])
+        results = self.score([self._reward_sample(r, o["text"], o) for r, o in zip(self.eval_rows, outs)])
         per_task: dict[str, list[float]] = {}
         for row, res in zip(self.eval_rows, results):
             task = row.get("task") or self.reward_names[0]
