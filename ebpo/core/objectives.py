@@ -75,6 +75,9 @@ class ObjectiveConfig:
     mtf_fraction: float = doc("fraction of each batch's rows that get the MTF second pass", 0.5)
     normalize: Literal["token", "elbo"] = doc("M2T loss: per masked token, or ELBO (1/t weights, per response token)",
                                               "token")
+    mbe_weight: float = doc("weight of the Multi-Block Editing window term (ebpo.core.mbe_objective: T2T restore "
+                            "through an enlarged bidirectional window of mbe_window + 1 blocks); 0 = off", 0.0)
+    mbe_window: int = doc("MBE window W of that term (the decoder's rollout.decode.mbe_window)", 1)
 
     def validate(self):
         if not 0.0 < self.t_min <= self.t_max <= 1.0:
@@ -83,7 +86,10 @@ class ObjectiveConfig:
             raise ValueError(f"objective.t2t_rate: must lie in [0, 1), got {self.t2t_rate}")
         if not 0.0 <= self.mtf_fraction <= 1.0:
             raise ValueError(f"objective.mtf_fraction: must lie in [0, 1], got {self.mtf_fraction}")
-        for name in ("t2t_weight", "keep_weight", "mtf_weight"):
+        if self.mbe_weight > 0 and not (self.mbe_window >= 1 and 0.0 < self.t2t_rate < 1.0):
+            raise ValueError(f"objective.mbe_window: needs mbe_window >= 1 and 0 < t2t_rate < 1 when mbe_weight > 0, "
+                             f"got mbe_window={self.mbe_window}, t2t_rate={self.t2t_rate}")
+        for name in ("t2t_weight", "keep_weight", "mtf_weight", "mbe_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"objective.{name}: must be >= 0")
 

@@ -196,7 +196,20 @@ class SFTTrainer:
         if self.device.type != "cpu":
             nb = type(nb)(**{k: v.to(self.device) for k, v in vars(nb).items()})
         fwd = self.engine if self.engine is not None else self.model
-        return mixture_loss(fwd, self.lm_head, clean, response, nb, ob, self.block_size, self.mask_id, shard=shard)
+        loss, metrics, draft = mixture_loss(fwd, self.lm_head, clean, response, nb, ob, self.block_size, self.mask_id,
+                                            shard=shard)
+        if ob.mbe_weight > 0:  # the Multi-Block Editing window pattern (ebpo/core/mbe_objective.py)
+            from ebpo.core.mbe_objective import mbe_window_loss
+
+            if shard is not None:  # its per-token means are per rank, not normalised by the global batch
+                raise ValueError("objective.mbe_weight: the MBE window term runs on one rank only (trainer world "
+                                 f"size {self.world}); set objective.mbe_weight=0 or train on one rank")
+            mbe, m = mbe_window_loss(fwd, self.lm_head, clean, response, block_size=self.block_size,
+                                     window=ob.mbe_window, rate=ob.t2t_rate, keep_weight=ob.keep_weight,
+                                     allowed_ids=self.allowed_ids, generator=generator)
+            loss = loss + ob.mbe_weight * mbe
+            metrics.update(m, **{"loss/total": float(loss.detach())})
+        return loss, metrics, draft
 
     def train_step(self) -> dict:
         tc, o = self.cfg.trainer, self.cfg.optim
