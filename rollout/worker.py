@@ -57,7 +57,8 @@ class RolloutWorker:
             outs = generate(self.model, prompt_ids, config, tokenizer=self.tokenizer, seeds=seeds)
         return [
             {"token_ids": list(o.token_ids), "text": o.text, "num_forwards": o.num_forwards, "tpf": o.tpf,
-             "num_edits": o.num_edits, "finished_by_eos": o.finished_by_eos, "tail_ids": list(o.tail_ids)}
+             "num_edits": o.num_edits, "finished_by_eos": o.finished_by_eos, "tail_ids": list(o.tail_ids),
+             "weights_version": self.version}  # the policy that sampled it (asynchronous RL's staleness)
             for o in outs
         ]
 
