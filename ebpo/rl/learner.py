@@ -507,18 +507,20 @@ class EBPOLearner:
                 torch.distributed.all_reduce(t)
 
     def _reduce_metrics(self, parts: list[tuple[int, dict]], rows_in_minibatch: int) -> dict:
-        """Minibatch metrics from this rank's micro-batches (and the other ranks'): row-weighted means, and
-        the max for log_ratio_max. One part covering the whole minibatch is returned unchanged."""
+        """Minibatch metrics from this rank's micro-batches (and the other ranks'): row-weighted means, the
+        max for *_max keys (log_ratio_max) and the min for *_min keys. One part covering the whole minibatch
+        is returned unchanged."""
         if self.world_size == 1 and len(parts) == 1:
             return dict(parts[0][1])
         keys = sorted(parts[0][1])
         sums = torch.tensor([[n * m[k] for k in keys] for n, m in parts], dtype=torch.float64).sum(0)
-        top = torch.tensor([max(m["log_ratio_max"] for _, m in parts)], dtype=torch.float64)
+        ext = [(k, 1.0 if k.endswith("_max") else -1.0) for k in keys if k.endswith(("_max", "_min"))]
+        top = torch.tensor([max(sign * m[k] for _, m in parts) for k, sign in ext], dtype=torch.float64)  # min = -max(-x)
         if self.world_size > 1:
             torch.distributed.all_reduce(sums)
             torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
         out = {k: float(v) / rows_in_minibatch for k, v in zip(keys, sums.tolist())}
-        out["log_ratio_max"] = float(top)
+        out.update({k: sign * float(v) for (k, sign), v in zip(ext, top.tolist())})
         return out
 
     def _step_backward(self, t: torch.Tensor) -> None:

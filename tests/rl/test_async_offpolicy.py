@@ -131,3 +131,57 @@ def test_synchronous_learner_ignores_weight_versions_bit_for_bit():
     assert {k: v for k, v in ma.items() if not k.startswith("timing")} == \
         {k: v for k, v in mb.items() if not k.startswith("timing")}
     assert all(torch.equal(p, q) for p, q in zip(a_model.parameters(), b_model.parameters()))
+
+
+def _group_worker(rank, world, port, out_path):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from ebpo.rl.learner import EBPOLearner, LearnerConfig
+
+    learner = EBPOLearner(_model(), LearnerConfig(num_workers=world, lr=0.01, n_draws=2, seed=0, max_staleness=1,
+                                                  noise="bernoulli"))
+    model = learner.get_model()
+    metrics = [learner.update(_batch(model, i, v)) for i, v in enumerate([[0] * 4, [0, 1, 0, 1], [1, 2, 1, 2]])]
+    if rank == 0:
+        torch.save(metrics, out_path)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def test_two_learner_ranks_give_the_same_importance_weights_as_one(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    out = {}
+    for world in (1, 2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_group_worker, args=(world, port, str(tmp_path / f"w{world}.pt")), nprocs=world, join=True)
+        out[world] = torch.load(tmp_path / f"w{world}.pt", weights_only=False)
+    for one, two in zip(out[1], out[2]):
+        for k in ("actor/is_weight_mean", "actor/is_weight_max", "actor/behav_log_ratio_mean", "actor/pg_loss",
+                  "actor/grad_norm"):
+            assert two[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k
+    assert out[2][2]["actor/behav_log_ratio_mean"] != 0.0  # the stale rows were really scored by version 1
+
+
+def test_max_staleness_is_checked_with_the_key_named(tmp_path):
+    from ebpo.infra.config import ConfigError, load_config
+    from ebpo.rl.config import RLConfig
+
+    for bad in ("-1", "1.5", "true"):
+        with pytest.raises((ConfigError, ValueError), match="trainer.max_staleness"):
+            load_config(RLConfig, None, [f"trainer.max_staleness={bad}"])
+    cfg = load_config(RLConfig, None, ["trainer.max_staleness=2", "ray.weight_sync=broadcast"])
+    with pytest.raises(ConfigError, match="trainer.max_staleness"):
+        cfg.learner_config()
+    assert load_config(RLConfig, None, ["trainer.max_staleness=2"]).learner_config().max_staleness == 2
+    cfg = load_config(RLConfig, None, ["trainer.max_staleness=1", "learner={backend: deepspeed}"])
+    with pytest.raises(ConfigError, match="learner.max_staleness"):
+        cfg.learner_config()
