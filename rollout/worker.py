@@ -60,7 +60,8 @@ class RolloutWorker:
         return [
             {"token_ids": list(o.token_ids), "text": o.text, "num_forwards": o.num_forwards, "tpf": o.tpf,
              "num_edits": o.num_edits, "finished_by_eos": o.finished_by_eos, "tail_ids": list(o.tail_ids),
-             "edit_log": [list(e) for e in o.edit_log]}
+             "edit_log": [list(e) for e in o.edit_log],
+             "weights_version": self.version}  # the policy that sampled it (asynchronous RL's staleness)
             for o in outs
         ]
 

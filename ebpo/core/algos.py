@@ -120,18 +120,21 @@ def kl_estimate(log_ratio_ref: torch.Tensor, estimator: str = "k3", linear_below
 
 def ebpo_loss(cur: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
               lengths: torch.Tensor | None = None, ref: torch.Tensor | None = None, kl_beta: float = 0.0,
-              kl_estimator: str = "k3", dual_clip: float | None = None) -> tuple[torch.Tensor, dict]:
+              kl_estimator: str = "k3", dual_clip: float | None = None,
+              seq_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """EBPO loss (scalar) and metrics from composites of one minibatch.
 
     cur, old (and ref): (B, N) composites of the same draws; advantages (B,); lengths (B,) response
     lengths for length normalisation or None. loss = -mean_seq(clipped objective) + kl_beta * mean_seq(KL),
     a *sequence-level* mean (the ratio is per sequence). The KL uses the same (optional) length
-    normalisation. `dual_clip`: see `clipped_surrogate`. Metrics are floats: pg_loss,
+    normalisation. `dual_clip`: see `clipped_surrogate`. `seq_weights` (B,) (no grad) multiplies each
+    sequence's clipped objective: the truncated importance weights of the decoupled off-policy loss
+    (`ebpo.core.offpolicy`); None leaves the on-policy loss untouched. Metrics are floats: pg_loss,
     clipfrac_low/high/dual, log_ratio_mean/max (|.|max), kl.
     """
     lr = log_ratio(cur, old.detach(), lengths)
     obj, c_lo, c_hi, c_dual = clipped_surrogate(lr, advantages.to(lr.dtype), eps_low, eps_high, dual_clip)
-    pg_loss = -obj.mean()
+    pg_loss = -(obj if seq_weights is None else obj * seq_weights.detach().to(obj.dtype)).mean()
     loss = pg_loss
     kl_val = torch.zeros(())
     if ref is not None and kl_beta > 0:

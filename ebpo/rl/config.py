@@ -108,6 +108,10 @@ class TrainerConfig:
     wandb_project: str = doc("W&B project", "ebpo")
     samples_per_step: int = doc("rows of the per-step W&B sample table", 4)
     max_retries: int = doc("retries of a rollout/reward call whose actor died (actor restarted each time)", 3)
+    max_staleness: int = doc("asynchronous RL: 0 = synchronous (rollout, reward, update, sync in turn); s > 0 = the "
+                             "rollouts and rewards of step k are made with the weights after step k - 1 - s while "
+                             "the learner trains, so a sample lags the learner by at most s weight versions and "
+                             "is trained with the decoupled off-policy loss (docs/rl.md, Asynchronous RL)", 0)
     progress: bool = doc("rich progress display", True)
     plots: bool = doc("write PNG plots into the run directory at the end", True)
 
@@ -116,6 +120,9 @@ class TrainerConfig:
             raise ValueError("trainer.steps: must be >= 0")
         if self.dynamic_sampling < 0:
             raise ValueError(f"trainer.dynamic_sampling: must be >= 0 (extra rounds; 0 = off), got {self.dynamic_sampling}")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"trainer.max_staleness: must be an integer >= 0 (0 = synchronous), got "
+                             f"{self.max_staleness!r}")
         if self.dynamic_sampling > 0 and not self.filter_zero_std:
             raise ValueError("trainer.dynamic_sampling: needs trainer.filter_zero_std=true (it collects groups "
                              "with unequal rewards, which only matters when the others are dropped)")
@@ -175,8 +182,12 @@ class RLConfig:
         the trainer (`total_steps` = trainer.steps, `seed` = trainer.seed). Raises ConfigError naming the key."""
         from ebpo.rl.learner import LearnerConfig
 
-        return build(LearnerConfig, {"total_steps": self.trainer.steps, "seed": self.trainer.seed, **self.learner},
-                     "learner.")
+        if self.trainer.max_staleness > 0 and self.ray.weight_sync != "object_store":
+            raise ConfigError(f"trainer.max_staleness = {self.trainer.max_staleness} needs ray.weight_sync=object_store "
+                              f"(got {self.ray.weight_sync!r}): the rollout workers load older weight versions "
+                              "from the object store")
+        return build(LearnerConfig, {"total_steps": self.trainer.steps, "seed": self.trainer.seed, **self.learner,
+                                     "max_staleness": self.trainer.max_staleness}, "learner.")
 
     def check_against_model(self, model_block_size: int) -> list[str]:
         """Start-up checks that need the model: returns warnings, raises ConfigError on a block-size mismatch.

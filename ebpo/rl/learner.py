@@ -23,8 +23,10 @@ from typing import Literal, Optional
 import torch
 
 from ebpo.core.algos import KL_ESTIMATORS, ebpo_loss
+from ebpo.core.offpolicy import decoupled_ebpo_loss
 from ebpo.infra.config import doc
 from ebpo.infra.distributed import all_reduce_grads, init_distributed
+from ebpo.rl.async_behaviour import BehaviourSnapshots, behaviour_of_rows, prepare_behaviour
 from ebpo.rl.sharding import balance_by_tokens, loss_weight, padded_lengths, token_microbatches
 from ebpo.core.editing import T2T_SOURCES, editing_draws, t2t_stats
 from ebpo.core.likelihood import all_composites, direct_backward, draw_noise, replay_backward, response_mask_from_ids
@@ -34,7 +36,7 @@ LORA_TARGETS = ["query_key_value", "dense", "gate_proj", "up_proj", "down_proj"]
 
 @dataclass
 class LearnerConfig:
-    lr: float = doc("peak learning rate", 1e-6)
+    lr: float = doc("peak learning rate (0 = a frozen policy, e.g. to check that off-policy ratios are 1)", 1e-6)
     weight_decay: float = doc("AdamW weight decay", 0.0)
     betas: list[float] = doc("AdamW betas", default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = doc("linear warm-up length, in updates (RL steps; fractional within an update)", 0)
@@ -89,13 +91,16 @@ class LearnerConfig:
                                          "length (rounded up to whole blocks), rows sorted by length so padding "
                                          "stays small; 0 = a rank's whole share of a minibatch at once", 0)
     lora: Optional[dict] = doc("PEFT LoRA {r, alpha, target_modules, dropout}; null = full fine-tuning", None)
+    max_staleness: int = doc("asynchronous RL: versions a sample's weights may lag the learner's (set from "
+                             "trainer.max_staleness); > 0 keeps that many weight snapshots for the decoupled loss", 0)
+    is_cap: float = doc("asynchronous RL: cap of the truncated behaviour->proximal importance weight", 2.0)
     seed: int = doc("seed of the learner's noise-draw generator (and minibatch shuffling)", 0)
     block_size: Optional[int] = doc("block size K of the likelihood; null = the model's", None)
     device: str = doc("auto (cuda if available), cpu or cuda[:i]; DeepSpeed places the model itself", "auto")
 
     def validate(self):
         checks = [
-            ("lr", self.lr > 0, "must be > 0"),
+            ("lr", self.lr >= 0, "must be >= 0 (0 = frozen policy)"),
             ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
             ("betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "must be two numbers in [0, 1)"),
             ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
@@ -124,6 +129,9 @@ class LearnerConfig:
             ("zero_stage", self.zero_stage in (0, 1, 2, 3), "choose 0, 1, 2 or 3"),
             ("block_size", self.block_size is None or self.block_size >= 1, "must be >= 1 or null"),
             ("num_workers", self.num_workers >= 1, "must be >= 1"),
+            ("max_staleness", isinstance(self.max_staleness, int) and self.max_staleness >= 0, "must be an int >= 0"),
+            ("max_staleness", self.max_staleness == 0 or self.backend == "torch", "> 0 needs learner.backend=torch"),
+            ("is_cap", self.is_cap >= 1, "must be >= 1"),
             ("dtype", self.dtype in ("fp32", "bf16"), "choose fp32 or bf16"),
             ("max_tokens_per_microbatch", self.max_tokens_per_microbatch >= 0, "must be >= 0 (0 = off)"),
             ("offload_param", not self.offload_param or (self.backend == "deepspeed" and self.zero_stage == 3),
@@ -268,6 +276,7 @@ class EBPOLearner:
         self.device = next(self.model.parameters()).device
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.updates_done = 0
+        self.snapshots = BehaviourSnapshots(cfg.max_staleness)  # past weight versions (asynchronous RL)
         self.lr_now = cfg.lr * lr_factor(0.0, cfg)
 
     # ------------------------------------------------------------------------------------------------
@@ -411,6 +420,7 @@ class EBPOLearner:
                             ref[rows.to(dev)] = r
             if not on_policy:
                 self._sum_over_ranks(old, blocks, *([ref] if ref is not None else []))
+        behaviour = prepare_behaviour(self, batch, ids, noise, plans, tokens, chunk)  # None unless asynchronous
         t_old = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -431,7 +441,7 @@ class EBPOLearner:
                     if self.engine is not None:
                         weight *= self.world_size  # DeepSpeed averages gradients over ranks; we want the sum
                     m, cur = self._micro_step(ids, noise, rows, tokens, old, adv, lengths, ref, weight,
-                                              on_policy, last=s == n_micro - 1)
+                                              on_policy, last=s == n_micro - 1, behaviour=behaviour)
                     if on_policy and real:  # the behaviour policy's values, for the likelihood stats
                         old[rows.to(dev)] = cur[0].to(dev)
                         blocks[rows.to(dev), :, : cur[1].shape[-1]] = cur[1].to(dev)
@@ -456,7 +466,7 @@ class EBPOLearner:
         return metrics
 
     def _micro_step(self, ids, noise, rows, tokens, old, adv, lengths, ref, weight: float, on_policy: bool,
-                    last: bool):
+                    last: bool, behaviour=None):
         """Forward and backward of one micro-batch `rows`; its loss is the EBPO loss of these rows times
         `weight`. Returns (metrics of the rows, composites (C, blocks) of the rows or C)."""
         cfg, dev = self.cfg, self.device
@@ -466,9 +476,12 @@ class EBPOLearner:
         mb_ref = ref[rows_d] if ref is not None else None
 
         def loss_fn(cur):
-            loss, m = ebpo_loss(cur, cur.detach() if on_policy else mb_old, mb_adv, cfg.eps_low, cfg.eps_high,
-                                lengths=mb_len, ref=mb_ref, kl_beta=cfg.kl_beta, kl_estimator=cfg.kl_estimator,
-                                dual_clip=cfg.dual_clip)
+            prox, kw = cur.detach() if on_policy else mb_old, dict(lengths=mb_len, ref=mb_ref, kl_beta=cfg.kl_beta,
+                                                                   kl_estimator=cfg.kl_estimator, dual_clip=cfg.dual_clip)
+            # asynchronous (behaviour given): clip against the proximal, weight each row behaviour -> proximal
+            loss, m = (ebpo_loss(cur, prox, mb_adv, cfg.eps_low, cfg.eps_high, **kw) if behaviour is None else
+                       decoupled_ebpo_loss(cur, prox, behaviour_of_rows(behaviour, rows, prox), mb_adv, cfg.eps_low,
+                                           cfg.eps_high, cfg.is_cap, **kw))
             return (loss if weight == 1.0 else loss * weight), m
 
         mb_ids, mb_noise = self._take(ids, noise, rows, tokens)
@@ -505,18 +518,20 @@ class EBPOLearner:
                 torch.distributed.all_reduce(t)
 
     def _reduce_metrics(self, parts: list[tuple[int, dict]], rows_in_minibatch: int) -> dict:
-        """Minibatch metrics from this rank's micro-batches (and the other ranks'): row-weighted means, and
-        the max for log_ratio_max. One part covering the whole minibatch is returned unchanged."""
+        """Minibatch metrics from this rank's micro-batches (and the other ranks'): row-weighted means, the
+        max for *_max keys (log_ratio_max) and the min for *_min keys. One part covering the whole minibatch
+        is returned unchanged."""
         if self.world_size == 1 and len(parts) == 1:
             return dict(parts[0][1])
         keys = sorted(parts[0][1])
         sums = torch.tensor([[n * m[k] for k in keys] for n, m in parts], dtype=torch.float64).sum(0)
-        top = torch.tensor([max(m["log_ratio_max"] for _, m in parts)], dtype=torch.float64)
+        ext = [(k, 1.0 if k.endswith("_max") else -1.0) for k in keys if k.endswith(("_max", "_min"))]
+        top = torch.tensor([max(sign * m[k] for _, m in parts) for k, sign in ext], dtype=torch.float64)  # min = -max(-x)
         if self.world_size > 1:
             torch.distributed.all_reduce(sums)
             torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
         out = {k: float(v) / rows_in_minibatch for k, v in zip(keys, sums.tolist())}
-        out["log_ratio_max"] = float(top)
+        out.update({k: sign * float(v) for (k, sign), v in zip(ext, top.tolist())})
         return out
 
     def _step_backward(self, t: torch.Tensor) -> None:
@@ -587,6 +602,8 @@ class EBPOLearner:
                        out / "learner_state.pt")
         if self.rank == 0:
             torch.save(self._extra_state(), out / "learner_meta.pt")
+            if self.snapshots.keep > 0:  # the behaviour policies of the batches still in flight
+                torch.save(self.snapshots.state(), out / "behaviour_snapshots.pt")
         if self.world_size > 1:
             torch.distributed.barrier()  # the checkpoint is complete on return from every rank
 
@@ -603,5 +620,7 @@ class EBPOLearner:
             self.optimizer.load_state_dict(state["optimizer"])
         meta = torch.load(src / "learner_meta.pt", weights_only=False)
         self.generator.set_state(meta["generator"])
+        if (src / "behaviour_snapshots.pt").exists():
+            self.snapshots.restore(torch.load(src / "behaviour_snapshots.pt", weights_only=False))
         self.updates_done = meta["updates_done"]
         self.lr_now = meta["lr_now"]

@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
 from contextlib import contextmanager
 from typing import Callable
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ebpo.infra.config import load_config, save_config, to_dict
+from ebpo.rl.async_pipeline import AsyncSteps, RolloutPipeline, staleness_metrics
 from ebpo.rl.learner_actor import LearnerActor
 from ebpo.rl.learner_group import LearnerGroup, LearnerRankDied
 from ebpo.rl.batch import (build_learner_batch, filter_groups, first_groups, reward_metrics, rollout_metrics,
@@ -35,6 +37,15 @@ from ebpo.rl.config import RLConfig, model_block_size
 from ebpo.rl.sync_driver import WeightSyncDriver
 
 log = logging.getLogger("ebpo")
+
+
+@contextmanager
+def _timed(times: dict[str, float], name: str):
+    """Adds the block's wall time to times["timing_s/NAME"]."""
+    t0 = time.perf_counter()
+    yield
+    key = f"timing_s/{name}"
+    times[key] = times.get(key, 0.0) + time.perf_counter() - t0
 
 
 def derive_seed(*parts: int) -> int:
@@ -128,7 +139,7 @@ class PromptSampler:
         self._order = self._make_order()
 
 
-class RLTrainer:
+class RLTrainer(AsyncSteps):
     def __init__(self, cfg: RLConfig, recipe_name: str = "rl"):
         import ray
 
@@ -166,6 +177,15 @@ class RLTrainer:
         self.start_step = 0
         self.learner_restarts = 0
         self.weights = WeightSyncDriver(self.ray, cfg.ray, self._event)  # learner -> rollout workers
+        # asynchronous RL (trainer.max_staleness > 0): the producer thread, the weights it loads into the
+        # rollout workers (under the lock), the learner's latest, in-flight steps of a restored checkpoint
+        self.pipeline: RolloutPipeline | None = None
+        self.rollout_lock = threading.Lock()
+        self.rollout_weights: tuple | None = None  # (version, ObjectRef) the rollout workers hold
+        self.latest_weights: tuple | None = None  # (version, ObjectRef) after the learner's last update
+        self.in_flight: list[dict] = []
+        self.version_log: list[tuple[int, int, list[int]]] = []  # (step, learner version, sample versions)
+        self.asynchronous = tc.max_staleness > 0
         self.eos_id = self.tokenizer.eos_token_id
 
         # A user's reward is checked once, in-process, on a real row, before any actor starts.
@@ -203,7 +223,7 @@ class RLTrainer:
             return rollout_cls.options(**placement(i)).remote(
                 self.model_spec, decode, num_threads=threads, fp8=cfg.rollout.fp8,
                 device="cuda" if cfg.ray.rollout_gpus > 0 else "cpu",
-                weights=self.weights.restart_weights(), weights_version=self.weights.version)
+                **self._restart_weights())
 
         def reward_factory():
             return reward_cls.remote(self.reward_specs, num_workers=cfg.reward.num_workers,
@@ -290,14 +310,25 @@ class RLTrainer:
         return {"prompt": row[self.cfg.data.prompt_field], "completion": completion, "answer": row.get("answer"),
                 "tests": row.get("tests"), "metadata": meta}
 
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None) -> list[dict]:
-        """Spread prompts over the rollout workers, in order; a dead worker is restarted and its share retried."""
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None,
+                 weights: tuple | None = None) -> list[dict]:
+        """Spread prompts over the rollout workers, in order; a dead worker is restarted and its share retried.
+
+        `weights` = (version, ObjectRef): load that version first unless the workers hold it (asynchronous
+        mode, where the pipeline and evaluation need different versions; the lock keeps load + generate
+        together)."""
         from ebpo.rl.actors import split_evenly
 
-        chunks = split_evenly(list(zip(prompt_ids, seeds)), len(self.rollout_workers))
-        tickets = [w.submit("generate", [p for p, _ in c], [s for _, s in c], decode)
-                   for w, c in zip(self.rollout_workers, chunks) if c]
-        return [o for w, t in zip(self.rollout_workers, tickets) for o in w.result(t)]
+        with self.rollout_lock:
+            if weights is not None and (self.rollout_weights is None or self.rollout_weights[0] != weights[0]):
+                self.rollout_weights = weights  # before the loads: a worker restarted meanwhile gets them too
+                tickets = [w.submit("load_weights", weights[1], weights[0]) for w in self.rollout_workers]
+                for w, t in zip(self.rollout_workers, tickets):
+                    w.result(t)
+            chunks = split_evenly(list(zip(prompt_ids, seeds)), len(self.rollout_workers))
+            tickets = [w.submit("generate", [p for p, _ in c], [s for _, s in c], decode)
+                       for w, c in zip(self.rollout_workers, chunks) if c]
+            return [o for w, t in zip(self.rollout_workers, tickets) for o in w.result(t)]
 
     def score(self, samples: list[dict]) -> list[dict]:
         """Spread samples over the reward actors; each scores within its hard per-call timeout."""
@@ -313,17 +344,17 @@ class RLTrainer:
 
     # ----------------------------------------------------------------------------------------- the step
     def step(self, step: int) -> dict:
+        """One synchronous step (trainer.max_staleness = 0): collect, update, sync, in that order."""
+        t_step = time.perf_counter()
+        return self.learn(step, self.collect(step), t_step)
+
+    def collect(self, step: int, weights: tuple | None = None) -> dict:
+        """Everything before the update: prompts, rollouts (with `weights` = (version, ObjectRef) loaded
+        first, asynchronous mode; None = whatever the workers hold), rewards, dynamic-sampling rounds,
+        advantages, the kept rows, and their metrics. Returns a plain record (saved with in-flight steps)."""
         cfg, G = self.cfg, self.cfg.rollout.group_size
         times: dict[str, float] = {}
-
-        @contextmanager
-        def timed(name):  # accumulates: dynamic sampling runs rollout and reward once per round
-            t0 = time.perf_counter()
-            yield
-            key = f"timing_s/{name}"
-            times[key] = times.get(key, 0.0) + time.perf_counter() - t0
-
-        t_step = time.perf_counter()
+        timed = functools.partial(_timed, times)  # accumulates: dynamic sampling repeats rollout and reward
         P = cfg.rollout.prompts_per_step
         rows, prompt_ids, samples, results = [], [], [], []
         for _ in range(1 + cfg.trainer.dynamic_sampling):
@@ -332,7 +363,7 @@ class RLTrainer:
             # seeds continue the sample index across rounds, so round 0 is the run without dynamic sampling
             seeds = [derive_seed(cfg.trainer.seed, step, len(prompt_ids) + i) for i in range(len(new_ids))]
             with timed("rollout"):
-                new_samples = self.generate(new_ids, seeds)
+                new_samples = self.generate(new_ids, seeds, weights=weights)
             with timed("reward"):
                 results += self.score([self._reward_sample(new_rows[i // G], s["text"], s)
                                        for i, s in enumerate(new_samples)])
@@ -358,17 +389,35 @@ class RLTrainer:
             keep = filter_groups(first_groups(~zero_std_groups(scores, group_ids), P), group_ids)
         metrics["train/samples"] = float(keep.sum())
         metrics["train/prompts_drawn"] = float(len(rows))
+        return {"step": step, "rows": rows, "prompt_ids": prompt_ids, "samples": samples, "scores": scores,
+                "group_ids": group_ids, "advantages": advantages, "keep": keep, "metrics": metrics,
+                "times": times, "sampler_after": self.sampler.state()}
+
+    def learn(self, step: int, record: dict, t_step: float) -> dict:
+        """The update on a collected step, then the weights to the rollout workers (synchronous) or to the
+        pipeline (asynchronous); metrics, sample table. `t_step`: when the step's clock started."""
+        cfg, G = self.cfg, self.cfg.rollout.group_size
+        rows, prompt_ids, samples, scores = record["rows"], record["prompt_ids"], record["samples"], record["scores"]
+        keep, metrics, times = record["keep"], record["metrics"], record["times"]
+        asynchronous = self.pipeline is not None
         if keep.any():
             idx = keep.nonzero().flatten().tolist()
             batch = build_learner_batch([prompt_ids[i] for i in idx], [samples[i]["token_ids"] for i in idx],
-                                        advantages[keep], group_ids[keep], pad_id=self.eos_id,
+                                        record["advantages"][keep], record["group_ids"][keep], pad_id=self.eos_id,
                                         tail_ids=[samples[i].get("tail_ids", []) for i in idx])
+            if asynchronous:  # the learner trains stale rows with the decoupled loss (ebpo.core.offpolicy)
+                versions = [samples[i]["weights_version"] for i in idx]
+                batch["weight_version"] = torch.tensor(versions, dtype=torch.long)
+                metrics.update(staleness_metrics(versions, self.weights.version))
+                self.version_log.append((step, self.weights.version, versions))
             t0 = time.perf_counter()
             metrics.update(self.learner.update(batch))
             train_tokens = int(batch["input_ids"].numel())
             metrics["perf/train_tokens_per_s"] = train_tokens / max(time.perf_counter() - t0, 1e-9)
-            with timed("sync"):
-                metrics.update(self.sync_weights())
+            with _timed(times, "sync"):
+                metrics.update(self.publish_weights() if asynchronous else self.sync_weights())
+        if asynchronous:
+            self.pipeline.publish(step, self.latest_weights)  # rollouts of step + 1 + s use them
         metrics.update(times)
         metrics["timing_s/step"] = time.perf_counter() - t_step
         metrics["faults/restarts"] = float(sum(w.restarts for w in self.rollout_workers + self.reward_workers)
@@ -385,7 +434,7 @@ class RLTrainer:
             return {}
         decode = {"preset": self.cfg.rollout.eval_preset, **self.cfg.rollout.eval_decode}
         prompts = [self.encode_prompt(r) for r in self.eval_rows]
-        outs = self.generate(prompts, [0] * len(prompts), decode)
+        outs = self.generate(prompts, [0] * len(prompts), decode, weights=self.latest_weights)
         results = self.score([self._reward_sample(r, o["text"], o) for r, o in zip(self.eval_rows, outs)])
         per_task: dict[str, list[float]] = {}
         for row, res in zip(self.eval_rows, results):
@@ -415,7 +464,12 @@ class RLTrainer:
         self.learner.save(str(tmp / "learner"))  # every rank writes its part before the rename below
         self.learner.export(str(tmp / "model"))  # `ebpo export` reads this
         self.tokenizer.save_pretrained(str(tmp / "model"))
-        state = {"step": step, "sampler": self.sampler.state(), "version": self.weights.version,
+        sampler = self.sampler.state()
+        if self.pipeline is not None:  # in-flight steps are saved; the sampler stands after the last of them
+            in_flight = self.pipeline.in_flight(step)
+            torch.save(in_flight, tmp / "in_flight.pt")
+            sampler = (in_flight[-1] if in_flight else self._last_record)["sampler_after"]
+        state = {"step": step, "sampler": sampler, "version": self.weights.version,
                  "wandb_run_id": self.tracker.run_id, "events": self.events}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         shutil.rmtree(path, ignore_errors=True)
@@ -437,7 +491,11 @@ class RLTrainer:
         self.start_step = state["step"]
         self.weights.version = state["version"]
         self.events = state.get("events", [])
-        self.sync_weights()
+        if self.asynchronous:  # the pipeline loads weights into the rollout workers when it needs them
+            saved = path / "in_flight.pt"
+            self.in_flight = torch.load(saved, weights_only=False) if saved.exists() else []
+        else:
+            self.sync_weights()
         return state.get("wandb_run_id")
 
     # ----------------------------------------------------------------------------------------- the loop
@@ -448,6 +506,8 @@ class RLTrainer:
         history: list[dict] = []
         if self.start_step == 0 and self.eval_rows:
             self.tracker.log(self.evaluate(), step=0)
+        if self.asynchronous:
+            self._start_pipeline()
         last = tc.steps if tc.stop_after is None else min(tc.steps, tc.stop_after)
         columns = [TextColumn("[bold]RL"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
@@ -457,9 +517,12 @@ class RLTrainer:
             while step < last:
                 step += 1
                 try:
-                    metrics = self.step(step)
+                    metrics = self.step(step) if self.pipeline is None else self._async_step(step)
                 except LearnerRankDied as err:
+                    self._stop_pipeline()
                     step = self._rebuild_learner(err)
+                    if self.asynchronous:
+                        self._start_pipeline()
                     history = [h for h in history if h["step"] <= step]  # the lost steps are redone
                     progress.update(task, completed=step)
                     continue
@@ -472,6 +535,7 @@ class RLTrainer:
                                 + " ".join(f"{k.split('/')[1]} acc {v:.3f}" for k, v in acc.items()))
                 if (tc.save_every and step % tc.save_every == 0) or step == last:
                     self.save(step)
+        self._stop_pipeline()
         return history
 
     def _rebuild_learner(self, err: Exception) -> int:
@@ -494,12 +558,14 @@ class RLTrainer:
             self.events = events  # the checkpoint's list predates this failure
             return self.start_step
         self.sampler.restore({"epoch": 0, "position": 0})
-        self.start_step, self.weights.version = 0, 0
-        self.sync_weights()
+        self.start_step, self.weights.version, self.in_flight = 0, 0, []
+        if not self.asynchronous:
+            self.sync_weights()
         return 0
 
     def close(self) -> None:
         """Plots, W&B finish, then the actors and the placement group are released (the Ray instance stays)."""
+        self._stop_pipeline()
         try:
             if self.cfg.trainer.plots:
                 from ebpo.infra.plots import plot_run
