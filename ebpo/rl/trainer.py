@@ -548,6 +548,9 @@ class RLTrainer(AsyncSteps):
             raise RuntimeError(f"learner: {self.learner_restarts - 1} rebuilds already; giving up") from err
         self._event(f"{err}; rebuilding the learner group from the latest checkpoint")
         self.learner.kill()
+        # the object-store parts of the last sync died with their owner (the old rank 0): a rollout worker
+        # restarted before the sync below starts from the base weights and is then synced like the others
+        self.weights.latest_weights = None
         if self.cfg.ray.weight_sync == "broadcast":
             self.weights.close_group()
         self.learner = self._new_learner_group()

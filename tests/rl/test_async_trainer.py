@@ -10,15 +10,9 @@ ray = pytest.importorskip("ray")
 
 from ebpo.infra.config import load_config  # noqa: E402
 from ebpo.rl.config import RLConfig  # noqa: E402
+from test_trainer import ray_local  # noqa: E402,F401  (an embedded instance, never a `ray start` cluster)
 
 COMPARED = ("reward/", "actor/", "response_length/", "decode/", "train/", "likelihood/", "async/staleness")
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture

@@ -1,10 +1,33 @@
 """The learner group inside the RL driver: learner.num_workers=2 Ray actors form a gloo group through Ray,
 train like one learner (same metrics at every step), checkpoint and resume."""
+import contextlib
+
 import pytest
 
 from test_trainer import data, make_cfg, ray, ray_local, read_metrics, train  # noqa: E402,F401
 
 COMPARED = ("reward/", "actor/", "response_length/", "decode/", "likelihood/")
+
+
+@contextlib.contextmanager
+def rank_1_killed_at_update(n: int):
+    """Within the block, learner rank 1's actor is killed at the start of the n-th group update; yields the
+    count of updates called."""
+    from ebpo.rl.learner_group import LearnerGroup
+
+    calls, update = {"n": 0}, LearnerGroup.update
+
+    def update_killing_rank_1_once(self, batch):
+        calls["n"] += 1
+        if calls["n"] == n:
+            ray.kill(self.actors[1], no_restart=True)
+        return update(self, batch)
+
+    LearnerGroup.update = update_killing_rank_1_once
+    try:
+        yield calls
+    finally:
+        LearnerGroup.update = update
 
 
 def _steps(run_dir):
@@ -39,22 +62,9 @@ def test_two_learner_ranks_train_like_one_and_resume(ray_local, tmp_path, data):
 
     # a learner rank killed at step 3: the group is rebuilt from the step-2 checkpoint, step 3 is redone
     # and equals the uninterrupted run's; the run finishes and counts the restart
-    from ebpo.rl.learner_group import LearnerGroup
-
-    calls, update = {"n": 0}, LearnerGroup.update
-
-    def update_killing_rank_1_once(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            ray.kill(self.actors[1], no_restart=True)
-        return update(self, batch)
-
-    LearnerGroup.update = update_killing_rank_1_once
-    try:
-        killed = tmp_path / "killed"
+    killed = tmp_path / "killed"
+    with rank_1_killed_at_update(3) as calls:
         trainer, history = train(make_cfg(tmp_path, data, killed, *common, *two, "trainer.save_every=1"))
-    finally:
-        LearnerGroup.update = update
     assert calls["n"] == 4 and [h["step"] for h in history] == [1, 2, 3]
     assert history[-1]["faults/restarts"] == 1.0
     assert any("learner rank 1 failed" in e for e in trainer.events)

@@ -6,20 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from test_trainer import data, make_cfg, ray, read_metrics, train  # noqa: E402,F401
-
-COMPARED = ("reward/", "actor/", "response_length/", "decode/", "likelihood/")
-
-
-def _steps(run_dir):
-    return {r["step"]: r for r in read_metrics(run_dir) if "actor/pg_loss" in r}
-
-
-def _assert_same(a, b):
-    keys = [k for k in a if k.startswith(COMPARED)]
-    assert len(keys) > 10
-    for k in keys:
-        assert b[k] == pytest.approx(a[k], rel=2e-4, abs=1e-5), k
+from test_learner_group_ray import _assert_same, _steps, rank_1_killed_at_update
+from test_trainer import data, make_cfg, ray, train  # noqa: E402,F401
 
 
 @pytest.fixture
@@ -84,20 +72,7 @@ def test_rl_on_two_nodes_spreads_trains_resumes_and_survives_a_killed_rank(two_n
     train(make_cfg(tmp_path, data, staged, *common, f"trainer.resume={staged}"))
     _assert_same(full[3], _steps(staged)[3])
 
-    from ebpo.rl.learner_group import LearnerGroup
-
-    calls, update = {"n": 0}, LearnerGroup.update
-
-    def update_killing_rank_1_once(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            ray.kill(self.actors[1], no_restart=True)
-        return update(self, batch)
-
-    LearnerGroup.update = update_killing_rank_1_once
-    try:
+    with rank_1_killed_at_update(3):
         trainer, history = train(make_cfg(tmp_path, data, tmp_path / "killed", *common, "trainer.save_every=1"))
-    finally:
-        LearnerGroup.update = update
     assert [h["step"] for h in history] == [1, 2, 3] and history[-1]["faults/restarts"] == 1.0
     _assert_same(full[3], _steps(tmp_path / "killed")[3])

@@ -3,12 +3,12 @@
 while the buckets still add up to the exact weights."""
 import json
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
 from ebpo.model import LLaDA2MoeModelLM, tiny_config
+from ebpo.infra.distributed import free_port
 from ebpo.model.streamed_save import save_pretrained_streamed
 from ebpo.rl.weight_stream import WeightStreamer
 
@@ -83,15 +83,9 @@ def _zero3_worker(rank, world, port, out_path):
     torch.distributed.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_zero3_two_ranks_gather_one_bucket_at_a_time(tmp_path):
     out = tmp_path / "zero3.pt"
-    mp.spawn(_zero3_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_zero3_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     got = torch.load(out, weights_only=False)
     assert got["buckets"] > 3 and got["partitioned"] > 0
     reference = _model(hidden=256, inter=512, moe_inter=64).state_dict()
