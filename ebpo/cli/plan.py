@@ -56,8 +56,7 @@ def plan(cfg, gpus_per_node: int, gpu_mem_gb: float, nodes: int) -> dict:
     lc = cfg.learner_config()
     K = lc.block_size or config.block_size
     max_new = int(cfg.rollout.decode.get("max_new_tokens", 256))
-    prompt = int(cfg.data.max_prompt_tokens or 0) if hasattr(cfg.data, "max_prompt_tokens") else 0
-    seq = prompt + max_new
+    seq = cfg.data.max_prompt_tokens + max_new
     row_len = math.ceil(seq / K) * K
     budget = lc.max_tokens_per_microbatch
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size

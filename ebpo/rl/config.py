@@ -1,6 +1,6 @@
 """Typed configuration of an RL (EBPO) recipe: `ebpo train recipes/rl_*.yaml key=value ...`.
 
-Sections: `model`, `data`, `rollout`, `reward`, `learner` (fields of `ebpo.rl.learner.LearnerConfig`),
+Sections: `model`, `data`, `rollout`, `reward`, `learner` (fields of `ebpo.rl.learner_config.LearnerConfig`),
 `trainer`, `ray`. `ebpo train RECIPE.yaml --help` lists every key with its documentation (`describe_keys`).
 """
 from __future__ import annotations
@@ -173,14 +173,14 @@ class RLConfig:
     data: DataConfig = doc("prompts", default_factory=DataConfig)
     rollout: RolloutConfig = doc("rollout workers and decoding", default_factory=RolloutConfig)
     reward: RewardConfig = doc("reward functions and workers", default_factory=RewardConfig)
-    learner: dict = doc("fields of ebpo.rl.learner.LearnerConfig (validated at start-up)", default_factory=dict)
+    learner: dict = doc("fields of ebpo.rl.learner_config.LearnerConfig (validated at start-up)", default_factory=dict)
     trainer: TrainerConfig = doc("loop, evaluation, checkpoints, tracking", default_factory=TrainerConfig)
     ray: RayConfig = doc("cluster and resources", default_factory=RayConfig)
 
     def learner_config(self):
         """The `learner` section as a checked `LearnerConfig`: the recipe's fields over defaults derived from
         the trainer (`total_steps` = trainer.steps, `seed` = trainer.seed). Raises ConfigError naming the key."""
-        from ebpo.rl.learner import LearnerConfig
+        from ebpo.rl.learner_config import LearnerConfig
 
         if self.trainer.max_staleness > 0 and self.ray.weight_sync != "object_store":
             raise ConfigError(f"trainer.max_staleness = {self.trainer.max_staleness} needs ray.weight_sync=object_store "
@@ -228,7 +228,7 @@ class RLConfig:
     @staticmethod
     def describe_keys() -> list[str]:
         """Every key of an RL recipe, `learner.*` included: `dotted.key (type, default): documentation`."""
-        from ebpo.rl.learner import LearnerConfig
+        from ebpo.rl.learner_config import LearnerConfig
 
         return describe(RLConfig) + describe(LearnerConfig, "learner.")
 

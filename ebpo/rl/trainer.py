@@ -21,7 +21,6 @@ import shutil
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 from ebpo.infra.config import load_config, save_config, to_dict
 from ebpo.rl.async_pipeline import AsyncSteps, RolloutPipeline, staleness_metrics
 from ebpo.rl.learner_actor import LearnerActor
+from ebpo.rl.launch import in_ray_job, ray_init_kwargs, resolve_run_dir  # noqa: F401 (re-exported)
 from ebpo.rl.learner_group import LearnerGroup, LearnerRankDied
 from ebpo.rl.batch import (build_learner_batch, filter_groups, first_groups, reward_metrics, rollout_metrics,
                        zero_std_groups)
@@ -65,44 +65,6 @@ def _solved(result: dict, judges: list[str] | None = None) -> float:
     false`) are left out."""
     values = [v for n, v in result["rewards"].items() if v is not None and (judges is None or n in judges)]
     return float(bool(values) and all(v >= 1 - 1e-6 for v in values))
-
-
-def in_ray_job() -> bool:
-    """True inside the entrypoint of `ray job submit` (Ray sets this variable for the job's driver)."""
-    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
-
-
-def resolve_run_dir(run_dir: str | None, name: str) -> Path:
-    """The run directory as an absolute path: `run_dir`, or runs/NAME-TIME under the working directory.
-
-    Inside a Ray job the working directory is Ray's temporary copy of the uploaded folder, deleted with
-    the cluster session, so a relative (or default) run directory there would lose the checkpoints: it is
-    refused with a ConfigError naming trainer.run_dir."""
-    from ebpo.infra.config import ConfigError
-
-    path = Path(run_dir) if run_dir else Path(f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if in_ray_job() and not path.is_absolute():
-        raise ConfigError(f"trainer.run_dir: {str(path)!r} is relative, and this is a Ray job whose working "
-                          f"directory ({os.getcwd()}) is a temporary copy deleted with the cluster session; set "
-                          "trainer.run_dir (or trainer.resume) to an absolute path on storage every node can reach")
-    return path.resolve()
-
-
-def ray_init_kwargs(ray_cfg, warn: Callable[[str], None]) -> dict:
-    """Arguments of `ray.init`: with an address (an existing cluster) the embedded-instance settings
-    (`ray.num_cpus`) do not apply; Ray refuses them, so they are dropped with a warning."""
-    kwargs = {"address": ray_cfg.address, "include_dashboard": False, "log_to_driver": False,
-              "logging_level": logging.WARNING}
-    address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
-    if address and address != "local":
-        if ray_cfg.num_cpus is not None:
-            warn(f"ray.num_cpus={ray_cfg.num_cpus} only sizes an embedded local Ray instance; ignored when "
-                 f"connecting to the cluster at {address}")
-    else:
-        # "local" starts an embedded instance even when a `ray start` cluster runs on this machine, which
-        # ray.init() would otherwise join (and then refuse num_cpus)
-        kwargs.update(address="local", num_cpus=ray_cfg.num_cpus)
-    return kwargs
 
 
 class PromptSampler:

@@ -63,7 +63,3 @@ class WeightStreamer:
         for bucket in self.plan:
             with self.gathered(bucket):
                 pass
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(b.nbytes for b in self.plan)

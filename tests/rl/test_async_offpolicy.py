@@ -8,7 +8,7 @@ import torch
 
 from ebpo.core.algos import ebpo_loss
 from ebpo.core.offpolicy import decoupled_ebpo_loss, truncated_importance_weights
-from ebpo.model import LLaDA2MoeModelLM, tiny_config
+from test_learner_group import _model
 
 
 def _reference(cur, prox, behav, adv, eps_low, eps_high, cap, dual_clip=None):
@@ -65,14 +65,6 @@ def test_behaviour_equal_to_proximal_is_the_on_policy_loss_bit_for_bit():
     b, mb = decoupled_ebpo_loss(cur, prox, prox.clone(), adv, 0.2, 0.28, cap=2.0, dual_clip=3.0)
     assert torch.equal(a, b) and mb["is_weight_min"] == mb["is_weight_max"] == 1.0
     assert all(ma[k] == mb[k] for k in ma)
-
-
-def _model():
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LLaDA2MoeModelLM(tiny_config(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                            moe_intermediate_size=32, num_attention_heads=2,
-                                            num_key_value_heads=1, block_size=4, initializer_range=0.2))
 
 
 def _batch(model, seed, versions):

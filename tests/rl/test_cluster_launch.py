@@ -10,7 +10,7 @@ import pytest
 
 from ebpo.infra.config import ConfigError
 from ebpo.rl.config import RayConfig
-from ebpo.rl.trainer import ray_init_kwargs, resolve_run_dir
+from ebpo.rl.launch import ray_init_kwargs, resolve_run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
