@@ -98,7 +98,7 @@ class StaticDecodeStep:
         keep_act = j < (act_lo + K)[:, None]
         keep = torch.cat([keep_prev[:, None].expand(-1, K, -1), keep_act[:, None].expand(-1, K, -1)], 1)[:, None]
         self.cache.write_pos = win
-        h = self.model(input_ids=ids, attention_mask=keep, position_ids=pos_ids, past_key_values=self.cache,
+        h = self.model(input_ids=ids, attention_mask=keep, position_ids=pos_ids, cache=self.cache,
                        return_logits=False).last_hidden_state[:, K:]
         logits = self.model.lm_head(h).float()
         logits[..., mask_id] = float("-inf")  # as in the eager decoder: a written token is never <|mask|>
@@ -178,7 +178,7 @@ def prefill(model, canvas: torch.Tensor, prompt_lens: list[int], K: int, cache: 
     keep = keep[None, None].expand(canvas.shape[0], 1, L, cache.max_len)
     cache.write_pos = pos[None].expand(canvas.shape[0], L)
     # rows with fewer prompt blocks compute junk past them; those slots are rewritten before anyone reads them
-    model(input_ids=canvas[:, :L], attention_mask=keep, position_ids=pos, past_key_values=cache, return_logits=False)
+    model(input_ids=canvas[:, :L], attention_mask=keep, position_ids=pos, cache=cache, return_logits=False)
 
 
 def check_supported(cfg, on_step) -> None:

@@ -230,7 +230,7 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
         S = max(cache.lengths[r] for r in rows) if cache is not None else 0
         lay = build_layout(canvas[rows], q_start, q_end, K, clamp, S, mask_id)
         out = model(lay.input_ids, attention_mask=lay.keep, position_ids=lay.position_ids,
-                    past_key_values=cache, cache_rows=rows if cache is not None else None, return_logits=False)
+                    cache=cache, cache_rows=rows if cache is not None else None, return_logits=False)
         hidden = out.last_hidden_state
 
         # --- candidates, per group of equal target length (a row's noise draws depend only on its own span)

@@ -325,7 +325,7 @@ def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws,
         first = next((b for b in range(nb) if live[b]), nb)  # leading blocks no copy masks (prompt blocks)
         if first:  # clean only: keys/values for the blocks after them
             model(input_ids=input_ids[:, : first * K], attention_mask=CopyBlockLayout(1, K),
-                  position_ids=torch.arange(first * K, device=dev), past_key_values=cache, return_logits=False)
+                  position_ids=torch.arange(first * K, device=dev), cache=cache, return_logits=False)
             cache.commit(first * K)
         G = max(1, group_tokens // max(1, (S + 1) * B * K))  # blocks per forward
         h_noisy = [torch.zeros(S, B, min(first * K, L), cfg.hidden_size, device=dev, dtype=cache.k[0].dtype)]
@@ -334,7 +334,7 @@ def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws,
             lo, hi = b * K, min((b + G) * K, L)
             x = torch.cat([noisy[:, :, lo:hi].reshape(S * B, hi - lo), input_ids[:, lo:hi]])
             h = _unwrap_hidden(model(input_ids=x, attention_mask=CopyBlockLayout(S + 1, K),
-                                     position_ids=torch.arange(lo, hi, device=dev), past_key_values=cache,
+                                     position_ids=torch.arange(lo, hi, device=dev), cache=cache,
                                      cache_rows=rows, return_logits=False))
             if hi < L:
                 cache.commit([0] * (S * B) + [hi - lo] * B)
@@ -343,14 +343,14 @@ def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws,
         return _scatter_composites(model, h, input_ids, scored, weight, K, return_blocks, use_module_head)
     pos = torch.arange(L, device=dev)
     model(input_ids=input_ids, attention_mask=block_causal_mask(L, K, device=dev)[None, None], position_ids=pos,
-          past_key_values=cache, return_logits=False)
+          cache=cache, return_logits=False)
     cache.commit(L)
     # Rows of `[noisy ; clean]`'s noisy half, columns reordered to [clean prefix (cache) ; noisy (new)].
     full = packed_noisy_clean_mask(L, K, 1, device=dev)[:L]
     keep = torch.cat([full[:, L:], full[:, :L]], dim=1)[None, None]
     rows = [b for _ in range(S) for b in range(B)]
     h = _unwrap_hidden(model(input_ids=noisy.reshape(S * B, L), attention_mask=keep, position_ids=pos,
-                             past_key_values=cache, cache_rows=rows, return_logits=False)).reshape(S, B, L, -1)
+                             cache=cache, cache_rows=rows, return_logits=False)).reshape(S, B, L, -1)
     return _scatter_composites(model, h, input_ids, scored, weight, K, return_blocks, use_module_head)
 
 

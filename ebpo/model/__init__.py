@@ -3,7 +3,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from ebpo.model.cache import BlockKVCache
 from ebpo.model.configuration_llada2_moe import LLaDA2MoeConfig
-from ebpo.model.modeling_llada2_moe import LLaDA2MoeModel, LLaDA2MoeModelLM, LLaDA2MoeOutput
+from ebpo.model.modeling_llada2_moe import (LLaDA2MoeModel, LLaDA2MoeModelLM, LLaDA2MoeOutput,
+                                             enable_activation_checkpointing)
 from ebpo.model.presets import load_preset, preset_names, tiny_config
 
 AutoConfig.register("llada2_moe", LLaDA2MoeConfig, exist_ok=True)
@@ -11,4 +12,4 @@ AutoModel.register(LLaDA2MoeConfig, LLaDA2MoeModel, exist_ok=True)
 AutoModelForCausalLM.register(LLaDA2MoeConfig, LLaDA2MoeModelLM, exist_ok=True)
 
 __all__ = ["BlockKVCache", "LLaDA2MoeConfig", "LLaDA2MoeModel", "LLaDA2MoeModelLM", "LLaDA2MoeOutput",
-           "load_preset", "preset_names", "tiny_config"]
+           "enable_activation_checkpointing", "load_preset", "preset_names", "tiny_config"]

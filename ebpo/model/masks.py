@@ -93,7 +93,7 @@ class CopyBlockLayout:
     """A structured keep-mask, passed as `attention_mask` instead of a dense one: the input (C*B, G*K)
     holds C copies of B sequences (row c*B + b is copy c of sequence b; the last copy is the clean one),
     each row the same G consecutive blocks of K tokens. A token of block g in row (c, b) may attend the
-    cached clean prefix of sequence b (with `past_key_values`: rows `list(range(B)) * C`, every committed
+    cached clean prefix of sequence b (with `cache=`: rows `list(range(B)) * C`, every committed
     length equal), the clean blocks < g of b, and its own row's block g. This is the mask of
     `packed_noisy_clean_mask` (noisy copies see past clean blocks and their own block; the clean copy is
     block-causal) restricted to G blocks, and the model computes it without wasted scores

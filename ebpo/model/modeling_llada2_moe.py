@@ -18,6 +18,7 @@ a weight converter registered with transformers, so files on disk always carry t
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -320,12 +321,17 @@ class LLaDA2MoeDecoderLayer(nn.Module):
 
 @dataclass
 class LLaDA2MoeOutput(ModelOutput):
-    """`logits` (B, L, V) fp32 (None when `return_logits=False`); `last_hidden_state` (B, L, hidden)."""
+    """`logits` (B, L, V) fp32 (None when `return_logits=False`); `last_hidden_state` (B, L, hidden);
+    `cache` the `BlockKVCache` passed in, if any.
+
+    The field is `cache`, the name transformers 5.24 gave every output's cache (it used to be
+    `past_key_values`); transformers >= 5.24 still answers `out.past_key_values` with a deprecation warning.
+    """
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     last_hidden_state: torch.Tensor | None = None
-    past_key_values: BlockKVCache | None = None
+    cache: BlockKVCache | None = None
 
 
 class LLaDA2MoePreTrainedModel(PreTrainedModel):
@@ -369,28 +375,29 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
     def set_input_embeddings(self, value):
         self.word_embeddings = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, cache_rows=None, **kwargs) -> torch.Tensor:
         """Returns the final-normed hidden states (B, L, hidden). See LLaDA2MoeModelLM.forward."""
+        cache = _cache_argument(cache, kwargs)
         x = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         B, L = x.shape[:2]
         if position_ids is None:
             start = 0
-            if isinstance(past_key_values, BlockKVCache):
-                start = past_key_values.lengths[0] if past_key_values.batch_size else 0
+            if isinstance(cache, BlockKVCache):
+                start = cache.lengths[0] if cache.batch_size else 0
             position_ids = torch.arange(start, start + L, device=x.device)
         if position_ids.dim() == 1:
             position_ids = position_ids[None].expand(B, L)
-        keep = self._keep_mask(attention_mask, B, L, x.device, past_key_values, cache_rows)
+        keep = self._keep_mask(attention_mask, B, L, x.device, cache, cache_rows)
         for layer in self.layers:
-            if self.gradient_checkpointing and self.training and past_key_values is None:
+            if self.gradient_checkpointing and self.training and cache is None:
                 fn = getattr(self, "_gradient_checkpointing_func", None)
                 if fn is None:
                     x = torch.utils.checkpoint.checkpoint(layer, x, position_ids, keep, None, use_reentrant=False)
                 else:
                     x = fn(layer.__call__, x, position_ids, keep, None)
             else:
-                x = layer(x, position_ids, keep, past_key_values)
+                x = layer(x, position_ids, keep, cache)
         return self.norm(x)
 
     def _keep_mask(self, attention_mask, B, L, device, cache, cache_rows):
@@ -406,7 +413,7 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
             return attention_mask
         if attention_mask is not None and attention_mask.dim() == 2:
             if cache is not None:
-                raise ValueError("attention_mask: a 2-D padding mask cannot be combined with past_key_values; "
+                raise ValueError("attention_mask: a 2-D padding mask cannot be combined with a cache; "
                                  "pass a 4-D keep-mask over the new tokens")
             return padding_to_block_causal(attention_mask, self.config.block_size)
         if attention_mask is not None:
@@ -450,23 +457,50 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel):
         return self.lm_head
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, past_key_values: BlockKVCache | None = None,
+                position_ids: torch.Tensor | None = None, cache: BlockKVCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, cache_rows=None, return_logits: bool = True,
                 **kwargs) -> LLaDA2MoeOutput:
         """Score `input_ids` (B, L).
 
         attention_mask: None (block-causal over the input with `config.block_size`), a 2-D (B, L) padding
             mask (block-causal plus padding), or a 4-D bool keep-mask (B|1, 1, L, L) such as those of
-            `ebpo.model.masks`. With `past_key_values` a 4-D mask may cover the new tokens only (L, L), combined
+            `ebpo.model.masks`. With `cache` a 4-D mask may cover the new tokens only (L, L), combined
             with the cache's per-row prefix validity, or everything (L, S + L).
         position_ids: (B, L) or (L,) absolute positions; default 0..L-1 (after the cache's length).
-        past_key_values: a `BlockKVCache`; the new tokens' keys/values are staged and committed by the
-            caller with `cache.commit(n)`. `cache_rows` picks the cache rows this batch maps to.
+        cache: a `BlockKVCache`; the new tokens' keys/values are staged and committed by the caller with
+            `cache.commit(n)`. `cache_rows` picks the cache rows this batch maps to. The old keyword
+            `past_key_values=` is still accepted with a FutureWarning (transformers 5.24 renamed it `cache`).
         return_logits: False skips the LM head (the learner gathers positions first).
         """
-        h = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, cache_rows)
+        cache = _cache_argument(cache, kwargs)
+        h = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds, cache_rows)
         logits = self.lm_head(h).float() if return_logits else None
-        return LLaDA2MoeOutput(logits=logits, last_hidden_state=h, past_key_values=past_key_values)
+        return LLaDA2MoeOutput(logits=logits, last_hidden_state=h, cache=cache)
+
+
+def _cache_argument(cache, kwargs: dict):
+    """The cache passed as `cache=` or, deprecated since transformers 5.24 renamed it, `past_key_values=`."""
+    old = kwargs.pop("past_key_values", None)
+    if old is None:
+        return cache
+    if cache is not None:
+        raise ValueError("pass the cache once, as `cache=` (`past_key_values=` is its deprecated name)")
+    warnings.warn("`past_key_values=` is deprecated: pass `cache=` (the name transformers 5.24 uses)",
+                  FutureWarning, stacklevel=3)
+    return old
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant checkpointing).
+
+    transformers 5.24 renamed `gradient_checkpointing_enable` to `activation_checkpointing_enable` and
+    will drop the old name in v6; older versions only have the old one.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _register_hf_expert_conversion() -> None:

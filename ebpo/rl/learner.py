@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ebpo.model import enable_activation_checkpointing
 from ebpo.core.algos import ebpo_loss
 from ebpo.core.offpolicy import decoupled_ebpo_loss
 from ebpo.infra.distributed import all_reduce_grads, init_distributed
@@ -75,7 +76,7 @@ class EBPOLearner:
         self.mask_id = base.config.mask_token_id
         self.eos_id = base.config.eos_token_id
         if cfg.gradient_checkpointing:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(base)
         if cfg.backend == "torch":
             dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             base = base.to(dev)

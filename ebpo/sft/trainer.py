@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ebpo.model import enable_activation_checkpointing
 from ebpo.infra.checkpoint import load_latest, load_training_state, save_checkpoint
 from ebpo.infra.config import load_config, save_config, to_dict
 from ebpo.infra.data import EpochSampler, collate, encode_sft, load_rows, pack_documents
@@ -82,7 +83,7 @@ class SFTTrainer:
         exclude = set(self.tokenizer.all_special_ids) - {self.tokenizer.eos_token_id} | {self.mask_id}
         self.allowed_ids = substitution_ids(base.config.vocab_size, sorted(exclude))
         if tc.gradient_checkpointing:
-            base.gradient_checkpointing_enable()
+            enable_activation_checkpointing(base)
         self.base = base
         self.model = self._wrap_lora(base) if cfg.lora.enabled else base
         self.model.train()

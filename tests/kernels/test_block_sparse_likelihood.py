@@ -106,8 +106,8 @@ def test_copy_block_layout_with_a_cache_needs_tiled_rows():
     model = _model(4)
     cache = BlockKVCache.for_model(model.config, 2, 16)
     with torch.no_grad():
-        model(torch.randint(3, 100, (2, 4)), past_key_values=cache, return_logits=False)
+        model(torch.randint(3, 100, (2, 4)), cache=cache, return_logits=False)
         cache.commit(4)
         with pytest.raises(ValueError, match="list\\(range\\(B\\)\\) \\* copies"):
             model(torch.randint(3, 100, (4, 4)), attention_mask=CopyBlockLayout(2, 4), position_ids=torch.arange(4, 8),
-                  past_key_values=cache, cache_rows=[0, 1, 1, 0], return_logits=False)
+                  cache=cache, cache_rows=[0, 1, 1, 0], return_logits=False)

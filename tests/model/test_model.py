@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ebpo.model import enable_activation_checkpointing
 from ebpo.model.masks import block_causal_mask, noisy_clean_mask, noisy_clean_position_ids
 from ebpo.model import BlockKVCache, LLaDA2MoeConfig, LLaDA2MoeModelLM, tiny_config
 
@@ -28,14 +29,14 @@ def test_cached_decoding_matches_full_recompute(block_size, prompt_lens):
             n = (P // K) * K
             if n:
                 model(seqs[r:r + 1, :n], attention_mask=block_causal_mask(n, K)[None, None],
-                      position_ids=torch.arange(n)[None], past_key_values=cache, cache_rows=[r])
+                      position_ids=torch.arange(n)[None], cache=cache, cache_rows=[r])
                 cache.commit(n)
         # Then both rows advance together, one block at a time, each at its own absolute positions.
         for _ in range(2):
             starts = [cache.lengths[r] for r in range(2)]
             pos = torch.stack([torch.arange(s, s + K) for s in starts])
             ids = torch.stack([seqs[r, s:s + K] for r, s in enumerate(starts)])
-            out = model(ids, position_ids=pos, past_key_values=cache).logits
+            out = model(ids, position_ids=pos, cache=cache).logits
             for r, s in enumerate(starts):
                 torch.testing.assert_close(out[r], full[r][s:s + K], atol=1e-5, rtol=1e-4)
             cache.commit(K)
@@ -195,7 +196,7 @@ def test_gradient_checkpointing_same_gradients():
     model(x).logits.logsumexp(-1).sum().backward()
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model)
     model(x).logits.logsumexp(-1).sum().backward()
     for p, g in zip(model.parameters(), ref):
         torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
