@@ -36,11 +36,14 @@ def model_folder(checkpoint: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ebpo export", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--step", type=int, default=None)
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
+    parser = argparse.ArgumentParser(prog="ebpo export", description=__doc__.splitlines()[0],
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("run_dir", type=Path, help="a run directory (its checkpoints/ holds step_N folders)")
+    parser.add_argument("out_dir", type=Path, help="the Hugging Face folder to write (created if missing)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="export checkpoint step_N instead of the latest one (default: latest)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32",
+                        help="dtype of the written weights (default: %(default)s)")
     args = parser.parse_args(argv)
     from ebpo.model.loading import load_model, load_model_tokenizer
 

@@ -43,9 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("recipe", help="an RL recipe (YAML)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model=preset:mini")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="usable memory per GPU, GB (1e9 bytes)")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node; the recipe's roles are placed on them (default: %(default)s)")
+    p.add_argument("--gpu-mem-gb", type=float, default=80.0,
+                   help="usable memory per GPU, GB (1e9 bytes) (default: %(default)s)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
     return p
 

@@ -15,6 +15,8 @@ import yaml
 
 from ebpo.cli import resolve
 from ebpo.infra.config import ConfigError, describe, load_config, to_dict
+from ebpo.infra.data import DataError
+from rewards.loader import RewardLoadError
 
 # kind -> (config dataclass, entry point taking (recipe, overrides)); imported only when used.
 KINDS = {
@@ -76,5 +78,8 @@ def main(argv: list[str]) -> int:
         resolve(entry)(args.recipe, args.overrides)
     except ConfigError as e:
         print(f"ebpo train: configuration error: {e}", file=sys.stderr)
+        return 2
+    except (DataError, RewardLoadError) as e:  # their messages name the file and line, or the reward
+        print(f"ebpo train: {e}", file=sys.stderr)
         return 2
     return 0

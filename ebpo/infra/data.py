@@ -73,7 +73,7 @@ def _load_jsonl(path: Path) -> tuple[list[dict], list[int]]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append(json.loads(line.rstrip("\r\n")))  # columns of the line as an editor shows it
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{n}: invalid JSON: {e.msg} (column {e.colno})") from None
             lines.append(n)

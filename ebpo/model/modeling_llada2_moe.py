@@ -18,8 +18,10 @@ a weight converter registered with transformers, so files on disk always carry t
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -341,6 +343,15 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
     _no_split_modules = ["LLaDA2MoeDecoderLayer"]
     _supports_sdpa = True
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, with the weight files readable like the other files: transformers
+        5 writes them through a private temporary file (mode 0600), which breaks a shared model folder."""
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        mode = 0o666 & ~_current_umask()
+        for path in Path(save_directory).glob("*.safetensors"):
+            path.chmod(mode)
+        return out
+
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -476,6 +487,12 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel):
         h = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds, cache_rows)
         logits = self.lm_head(h).float() if return_logits else None
         return LLaDA2MoeOutput(logits=logits, last_hidden_state=h, cache=cache)
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _cache_argument(cache, kwargs: dict):

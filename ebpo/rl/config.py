@@ -104,6 +104,10 @@ class TrainerConfig:
                                     "schedule still spans `steps`)", None)
     run_dir: Optional[str] = doc("run directory; default runs/<name>-<timestamp>", None)
     resume: Optional[str] = doc("continue the run in this directory from its latest checkpoint", None)
+    resume_changes: list[str] = doc("on resume, keys (or sections, e.g. reward) whose change from the recorded "
+                                    "configuration is accepted although it alters what the run learns; other such "
+                                    "changes are refused (accepted ones go to config_changes.yaml)",
+                                    default_factory=list)
     tracking: Literal["wandb", "none"] = doc("W&B tracking (offline without an API key); JSONL always", "wandb")
     wandb_project: str = doc("W&B project", "ebpo")
     samples_per_step: int = doc("rows of the per-step W&B sample table", 4)

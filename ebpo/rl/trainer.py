@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ebpo.infra.config import load_config, save_config, to_dict
+from ebpo.infra.config import ConfigError, load_config, to_dict
+from ebpo.infra.run_config import open_run_dir
 from ebpo.rl.async_pipeline import AsyncSteps, RolloutPipeline, staleness_metrics
 from ebpo.rl.learner_actor import LearnerActor
 from ebpo.rl.launch import in_ray_job, ray_init_kwargs, resolve_run_dir  # noqa: F401 (re-exported)
@@ -115,10 +116,8 @@ class RLTrainer(AsyncSteps):
         tc = cfg.trainer
         self.resume_dir = Path(tc.resume) if tc.resume else None
         self.run_dir = resolve_run_dir(tc.resume or tc.run_dir, cfg.name)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        log.warning("run directory: %s", self.run_dir)
-        print(f"ebpo: run directory {self.run_dir}", flush=True)
-        save_config(cfg, self.run_dir / "config.yaml")
+        if self.resume_dir and not (self.run_dir / "checkpoints" / "latest").exists():
+            raise ConfigError(f"trainer.resume: no checkpoint in {self.run_dir}/checkpoints")
         self.learner_cfg = cfg.learner_config()  # fail now, not inside an actor
         self.model_spec = resolve_model_path(cfg.model)
         for warning in cfg.check_against_model(model_block_size(self.model_spec)):  # block sizes, MBE
@@ -154,6 +153,9 @@ class RLTrainer(AsyncSteps):
         with RewardWorker(self.reward_specs, num_workers=1, timeout_s=cfg.reward.timeout_s,
                           default_score=cfg.reward.default_score) as probe:
             probe.dry_run(self._reward_sample(self.train_rows[0], ""))
+        # everything is checked: only now is anything written (a bad key leaves no run directory behind)
+        open_run_dir(self.run_dir, to_dict(cfg), resume=self.resume_dir is not None, allowed=tc.resume_changes)
+        print(f"ebpo: run directory {self.run_dir}", flush=True)
 
         if not ray.is_initialized():
             ray.init(**ray_init_kwargs(cfg.ray, self._event))
@@ -569,5 +571,4 @@ def run(recipe: str | None, overrides: list[str]) -> Path:
         trainer.fit()
     finally:
         trainer.close()
-    print(f"run directory: {trainer.run_dir}")
     return trainer.run_dir

@@ -88,6 +88,10 @@ class SFTTrainerConfig:
     keep_last: int = doc("checkpoints kept", 2)
     run_dir: Optional[str] = doc("run directory (default runs/<name>-<timestamp>)", None)
     resume: Optional[str] = doc("continue the run in this directory from its latest checkpoint", None)
+    resume_changes: list[str] = doc("on resume, keys (or sections, e.g. reward) whose change from the recorded "
+                                    "configuration is accepted although it alters what the run learns; other such "
+                                    "changes are refused (accepted ones go to config_changes.yaml)",
+                                    default_factory=list)
     stop_after: Optional[int] = doc("stop (after checkpointing) at this step; the schedule still spans `steps`", None)
     export_dir: Optional[str] = doc("also save the final model + tokenizer here (save_pretrained)", None)
     export_dtype: Literal["float32", "bfloat16"] = doc("dtype of the exported weights", "float32")

@@ -11,6 +11,7 @@ One optimizer step, as data:
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -18,10 +19,11 @@ from pathlib import Path
 import torch
 
 from ebpo.model import enable_activation_checkpointing
-from ebpo.infra.checkpoint import load_latest, load_training_state, save_checkpoint
-from ebpo.infra.config import load_config, save_config, to_dict
+from ebpo.infra.checkpoint import latest_checkpoint, load_latest, load_training_state, save_checkpoint
+from ebpo.infra.config import ConfigError, load_config, to_dict
 from ebpo.infra.data import EpochSampler, collate, encode_sft, load_rows, pack_documents
 from ebpo.infra.distributed import init_distributed
+from ebpo.infra.run_config import open_run_dir
 from ebpo.core.noise import make_noisy, substitution_ids
 from ebpo.core.objectives import LossShard, mixture_loss, shard_of, take_rows
 from ebpo.sft.config import SFTConfig
@@ -55,8 +57,11 @@ class SFTTrainer:
             torch.set_num_threads(tc.num_threads)
         self.resume_dir = Path(tc.resume) if tc.resume else None
         self.run_dir = self.resume_dir or Path(tc.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir / "config.yaml")
+        if self.resume_dir and latest_checkpoint(self.run_dir) is None:
+            raise ConfigError(f"trainer.resume: no checkpoint in {self.run_dir}/checkpoints")
+        # rank 0 records the configuration (on resume: checks and logs the changes); the others only check
+        open_run_dir(self.run_dir, to_dict(cfg), resume=self.resume_dir is not None, allowed=tc.resume_changes,
+                     write=int(os.environ.get("RANK", "0")) == 0)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
         self.tokenizer = load_model_tokenizer(cfg.model)

@@ -78,9 +78,9 @@ def test_cpt_and_lora_runs(data, tmp_path):
     init = load_model(MODEL)
     changed = [k for k, v in exported.state_dict().items() if not torch.equal(v, init.state_dict()[k])]
     assert changed and all("attention" in k or "mlp" in k for k in changed)
-    # resume a LoRA run
+    # resume a LoRA run for more steps (a longer schedule changes what it learns: named explicitly)
     run(None, args(data, tmp_path / "x", f"trainer.resume={lora_dir}", "lora.enabled=true", "lora.r=4",
-                   "trainer.steps=4"))
+                   "trainer.steps=4", "trainer.resume_changes=[trainer.steps]"))
     assert (lora_dir / "checkpoints" / "latest").read_text() == "step_4"
 
 
