@@ -87,9 +87,8 @@ def test_program_tests_are_split_and_unforgeable(mode):
     cases = [
         # 3 asserts split out; `assert True` never calls the candidate: left out
         ("honest", HONEST, [HUMANEVAL], {}, BOUND, exact(1.0, total=3, vacuous_tests=1, program_tests=0)),
-        # a forged record carries only a value: it scores what `return True` scores (2 of the 3 asserts
-        # expect True), never the residual program, and never the whole test as before
-        ("forged_records", FORGE, [HUMANEVAL, residual], {}, BOUND, exact(0.5, total=4, program_tests=1)),
+        # forged records written to every descriptor, then an exit at import: every call fails
+        ("forged_records", FORGE, [HUMANEVAL, residual], {}, BOUND, exact(0.0, total=4, program_tests=1)),
         ("constant_true", "def has_close_elements(*a):\n    return True\n", [HUMANEVAL], {}, BOUND,
          exact(2 / 3, total=3)),
         ("exit_zero_inside", exit_early, [residual], {}, BOUND, exact(0.0, total=1, program_tests=1)),
@@ -99,22 +98,28 @@ def test_program_tests_are_split_and_unforgeable(mode):
     _sequential_cases(cases, mode)
 
 
-def test_program_tests_warn_once_and_are_counted(monkeypatch, recwarn):
+def test_unsupported_tests_warn_once_and_are_counted(monkeypatch, recwarn):
     import rewards.code_tests as ct
     from rewards import RewardWorker
     from rewards.code_tests import audit_tests
     monkeypatch.setattr(ct, "_WARNED", set())
     loop = "for x in range(3):\n    assert add(x, 1) == x + 1"
+    peek = ["assert add.__name__ == 'add'", "import inspect\nassert 'return' in inspect.getsource(add)"]
     counts = audit_tests([{"tests": [HUMANEVAL, loop]}, {"tests": ["assert True", "assert add(1, 2) == 3"]}])
-    assert counts == {"rows": 2, "tests": 4, "scored": 5, "probe": 4, "stdio": 0, "program": 1, "split": 3,
-                      "vacuous": 2, "bad": 0}
-    assert audit_tests([{"tests": [loop]}])["program"] == 1
-    assert len([w for w in recwarn if "could not be split" in str(w.message)]) == 1  # once per process
+    assert counts == {"rows": 2, "tests": 4, "scored": 5, "assert": 4, "stdio": 0, "program": 1, "split": 3,
+                      "vacuous": 2, "unsupported": 0, "bad": 0}
+    assert not [w for w in recwarn if "code reward" in str(w.message)]  # programs are no longer weaker
+    assert audit_tests([{"tests": peek}])["unsupported"] == 2
+    assert audit_tests([{"tests": peek}])["unsupported"] == 2
+    assert len([w for w in recwarn if "cannot run them" in str(w.message)]) == 1  # loudly, once per process
     specs = [("code", 1.0, {**FAST, "sandbox": resolve_mode().mode})]
     with RewardWorker(specs, num_workers=0) as w:
-        w.score([{"completion": "def add(a, b):\n    return a + b", "tests": [loop, "assert True"]}] * 2)
+        out = w.score([{"completion": "def add(a, b):\n    return a + b", "tests": [loop, "assert True", *peek]}] * 2)
         stats = w.stats()
-    assert stats["reward/program_tests"] == 2 and stats["reward/vacuous_tests"] == 2
+    assert out[0]["score"] == pytest.approx(1 / 3), out  # the unsupported tests fail, never pass
+    assert out[0]["extras"]["code"]["outcomes"] == ["ok", "unsupported", "unsupported"]
+    assert stats["reward/program_tests"] == 4 and stats["reward/vacuous_tests"] == 2  # the loop + the import
+    assert stats["reward/unsupported_tests"] == 4
 
 
 # ---- 2. the sandbox shows no host files (bwrap) ---------------------------------------------------------
