@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 from rewards import judge as judge_proc
 from rewards import sandbox_uids
@@ -197,6 +198,17 @@ def mode_works(mode: str) -> bool:
     return ok
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_rlimits_picked() -> None:
+    """Once per process: ``auto`` fell back to the weakest mode; say what it leaves open."""
+    msg = ("code reward: sandbox mode 'auto' picked 'rlimits' (bwrap and unshare do not work here: "
+           + "; ".join(f"{m}: {e}" for m, e in _PROBE_ERRORS.items()) + "). It does not isolate the network, "
+           "the host's unix sockets (connect() needs only write permission on a socket file, e.g. under /run "
+           "or /tmp) or the host file system; see docs/rewards.md")
+    _LOG.warning(msg)
+    warnings.warn(msg, stacklevel=3)
+
+
 def resolve_mode(mode: str = "auto") -> SandboxInfo:
     """Pick the strongest working mode (or check the requested one). Raises SandboxError at start-up when
     the mode is unusable, the sandbox interpreter cannot run the harness, or the uid range is taken."""
@@ -207,6 +219,8 @@ def resolve_mode(mode: str = "auto") -> SandboxInfo:
     _interpreter()
     for m in (["bwrap", "unshare", "rlimits"] if mode == "auto" else [mode]):
         if mode_works(m):
+            if mode == "auto" and m == "rlimits":
+                _warn_rlimits_picked()
             return _info_for(m)
     raise SandboxError(f"sandbox mode {mode!r} does not work on this machine: "
                        + "; ".join(f"{m}: {e}" for m, e in _PROBE_ERRORS.items()))

@@ -380,3 +380,198 @@ def test_a_killed_reward_process_leaves_no_sandbox_behind(mode):
     assert marked_processes(sample.marker) == []
     assert [p for p in leftover_processes(sample.before) if p[2] not in "ZX"] == []
     assert marked_files(sample.marker) == []  # the work dir (rlimits mode) went with the harness
+
+
+# ==== round two: the judge in its own process, plain data across, bounded work in the parent ==========
+
+EQ_ANY = "class _Any:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+LOOP = "def check(candidate):\n    for x in range(3):\n        assert candidate(x) == 2 * x\ncheck(double)"
+COMPREHENSION = "assert all([double(a) == b for a, b in [(1, 2), (5, 10)]])"
+ZERO = lambda out: (out.score == 0.0) or pytest.fail(str(out))  # noqa: E731
+ONE = lambda out: (out.score == 1.0) or pytest.fail(str(out))  # noqa: E731
+
+
+def _outcomes(score, outcomes):
+    def check(out):
+        assert out.score == pytest.approx(score) and out.extras["outcomes"] == outcomes, out
+    return check
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_verdicts_the_candidate_cannot_decide(mode):
+    """Objects equal to anything, shadowed builtins, and a pass status to find by frames or the gc."""
+    tests = [LOOP, COMPREHENSION, "assert double(4) == 8"]
+    shadow = ("range = lambda *a: []\nlen = lambda x: 0\nall = any = lambda x: True\nzip = lambda *a: []\n"
+              "AssertionError = Exception\n")
+    # walk every frame and everything the gc tracks for an exit status or an expected value, exit with
+    # each candidate status, and write a pass into every descriptor
+    seek = textwrap.dedent('''
+        import gc, os, sys
+        def _seek():
+            found = []
+            f = sys._getframe()
+            while f is not None:
+                found += [v for v in f.f_locals.values() if isinstance(v, (int, dict))]
+                f = f.f_back
+            for o in gc.get_objects():
+                if isinstance(o, dict) and any(k in o for k in ("exit_code", "expected", "src", "tests")):
+                    found.append(o)
+            for fd in range(3, 64):
+                try:
+                    os.write(fd, b'{"v": ["b", true]}\\n1 {"v": ["b", true]}\\n')
+                except OSError:
+                    pass
+            return found
+        _FOUND = _seek()
+        def double(x):
+            _seek()
+            for o in _FOUND:
+                if isinstance(o, dict) and "exit_code" in o:
+                    os._exit(o["exit_code"])
+            return x + 1
+    ''')
+    honest = "def double(x):\n    return 2 * x\n"
+    cases = [
+        ("eq_any", EQ_ANY + "def double(x):\n    return _Any()\n", tests, {}, BOUND,
+         _outcomes(0.0, ["bad_value"] * 3)),
+        ("int_subclass", "class I(int):\n    __eq__ = lambda s, o: True\ndef double(x):\n    return I(0)\n", tests,
+         {}, BOUND, ZERO),
+        ("shadowed_builtins_wrong", shadow + "def double(x):\n    return x\n", tests, {}, BOUND, ZERO),
+        ("shadowed_builtins_honest", shadow + honest, tests, {}, BOUND, ONE),  # the judge's builtins count
+        ("frames_and_gc", seek, tests, {}, BOUND, ZERO),
+        ("honest", honest, tests, {}, BOUND, _outcomes(1.0, ["ok"] * 3)),
+    ]
+    _sequential_cases(cases, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_megabytes_of_policy_text_and_of_values_cost_little(mode):
+    """An honest answer behind a megabyte of nasty text scores 1; values built to be expensive in the
+    parent (a set of ints that all hash alike, deep or long values) are failed calls, fast."""
+    add = "```python\ndef add(a, b):\n    return a + b\n```\n"
+    # the answer line written straight into the channel (building such a set would cost the candidate
+    # the same quadratic time): ints k * (2**61 - 1), which all hash to 0, as a set and as tuple keys
+    forge = textwrap.dedent('''
+        import json, os
+        def add(a, b):
+            items = [["i", str(k * (2 ** 61 - 1))] for k in range(1, N)]
+            value = ["S", items] if KIND == "set" else ["d", [[["t", [it]], ["n"]] for it in items]]
+            line = json.dumps({"v": value}).encode() + b"\\n"
+            for fd in range(3, 64):
+                try:
+                    os.write(fd, line)
+                except OSError:
+                    pass
+            return 0
+    ''')
+    collide, collide_keys = "KIND, N = 'set', 30000\n" + forge, "KIND, N = 'dict', 15000\n" + forge
+    distinct = "def add(a, b):\n    return set(range(35000))\n"
+    tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]
+    cases = [(f"text_{n}", add + tail, tests, {}, BOUND, ONE)
+             for n, tail in [("fence_word", "```" + "a" * (1 << 20)), ("header", "```py" + "x" * (1 << 20) + "\n"),
+                             ("ticks", "``\n" * (1 << 18))]]
+    cases += [("colliding_set", collide, tests, {}, BOUND, _outcomes(0.0, ["bad_value"] * 2)),
+              ("colliding_keys", collide_keys, tests, {}, BOUND, _outcomes(0.0, ["bad_value"] * 2)),
+              ("too_long", "def add(a, b):\n    return 'x' * (2 << 20)\n", tests, {}, BOUND,
+               _outcomes(0.0, ["output_limit"] * 2)),
+              ("too_deep", "def add(a, b):\n    v = []\n    for _ in range(5000):\n        v = [v]\n    return v\n",
+               tests, {}, BOUND, _outcomes(0.0, ["bad_value"] * 2)),
+              ("distinct_set", distinct, ["assert len(add(1, 2)) == 35000"], {}, BOUND, ONE)]
+    _sequential_cases(cases, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_per_test_deadlines_respect_the_total_budget(mode):
+    """Five tests of a function that sleeps 0.8 s, 1 s each, 2.5 s in all: three pass, the last two time
+    out, and the call ends within the total (plus the sandbox's start-up), far below the parent's kill."""
+    import time
+    code = "import time\ndef f():\n    time.sleep(0.8)\n    return 1\n"
+    resolve_mode(mode)
+    t0 = time.monotonic()
+    out = code_reward(completion=code, tests=["assert f() == 1"] * 5, sandbox=mode, test_timeout_s=1.0,
+                      total_timeout_s=2.5)
+    seconds = time.monotonic() - t0
+    assert out.score == pytest.approx(0.6) and out.extras["outcomes"] == ["ok"] * 3 + ["timeout"] * 2, out
+    assert 2.4 < seconds < 2.5 + 1.0, seconds  # the parent's own kill would come at 2.5 + 3 s
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_unforeseen_answer_is_a_failed_call(mode):
+    """The candidate answers with records the judge does not expect: each is a failed call, never a pass."""
+    writes = ("import os\ndef f():\n    for fd in range(3, 64):\n        try:\n"
+              "            os.write(fd, %r)\n        except OSError:\n            pass\n    return True\n")
+    cases = [(name, writes % record, ["assert f() is not None"], {}, BOUND, _outcomes(0.0, [why]))
+             for name, record, why in [("unknown_key", b'{"zzz": 1}\n', "bad_record"),
+                                       ("resolve_answer", b'{"names": {"f": ["fn"]}}\n', "bad_record"),
+                                       ("stdio_answer", b'{"stdout": "x"}\n', "bad_record"),
+                                       ("not_a_dict", b'[1, 2]\n', "bad_record"),
+                                       ("bad_tag", b'{"v": ["q", 1]}\n', "bad_value")]]
+    _sequential_cases(cases, mode)
+
+
+def test_the_judge_interprets_only_what_it_expects():
+    from rewards._judge import CallFailed, _Test, interpret
+    unforeseen = [(b'{"zzz": 1}', "call"), (b'{"names": {}}', "call"), (b'{"stdout": ""}', "call"),
+                  (b'{"v": ["i", "1"]}', "resolve"), (b'{"v": ["i", "1"]}', "stdio"), (b'{"h": 5}', "call"),
+                  (b'{"raised": 5}', "call"), (b'{}', "resolve"), (b'null', "call"), (b'"v"', "call")]
+    for body, expect in unforeseen:
+        test = _Test(None)
+        with pytest.raises(CallFailed):
+            interpret(body, test, expect)
+        assert test.failed, (body, expect)
+    assert interpret(b'{"v": ["l", [["i", "1"]]]}', _Test(None), "call") == [1]
+    with pytest.raises(ValueError):
+        interpret(b'{"raised": "ValueError"}', _Test(None), "call")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_host_unix_sockets_and_leftovers(mode):
+    """connect() to host unix sockets under /run and /tmp (hidden in bwrap and unshare; reachable in
+    rlimits, as documented), and SysV IPC objects plus files in a nested world-writable directory left
+    by every sample (sample.traces): none of them outlives the sample in any mode."""
+    import socket
+    import uuid
+    tag = uuid.uuid4().hex[:10]
+    dirs = [f"/run/ebpo-hostile-{tag}", f"/tmp/ebpo-hostile-{tag}"]
+    servers = []
+    try:
+        for d in dirs:
+            os.makedirs(d, mode=0o755)
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(os.path.join(d, "sock"))
+            os.chmod(os.path.join(d, "sock"), 0o777)  # connect() needs only write permission on the file
+            s.listen(4)
+            s.setblocking(False)
+            servers.append(s)
+        code = ("import socket\ndef reach(paths):\n    n = 0\n    for p in paths:\n        s = socket.socket(socket.AF_UNIX)\n"
+                "        try:\n            s.connect(p)\n            n += 1\n        except OSError:\n            pass\n"
+                "    return n\n")
+        sample = new_sample()
+        out = run(sample, sample.traces() + code, [f"assert reach({[d + '/sock' for d in dirs]!r}) == 0"], mode,
+                  BOUND, **FAST)
+        reached = 0
+        for s in servers:
+            try:
+                s.accept()[0].close()
+                reached += 1
+            except BlockingIOError:
+                pass
+        if mode == "rlimits":  # documented: nothing hides them from a process of the host's namespaces
+            assert out.score == 0.0 and reached == 2, (out, reached)
+        else:
+            assert out.score == 1.0 and reached == 0, (out, reached)
+    finally:
+        for s in servers:
+            s.close()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_auto_warns_when_it_falls_back_to_rlimits(monkeypatch, caplog):
+    import rewards.sandbox as sb
+    sb._warn_rlimits_picked.cache_clear()
+    real = sb.mode_works
+    monkeypatch.setattr(sb, "mode_works", lambda m: m == "rlimits" and real(m))
+    with pytest.warns(UserWarning, match="unix sockets"):
+        assert sb.resolve_mode("auto").mode == "rlimits"
+    sb._warn_rlimits_picked.cache_clear()
