@@ -17,6 +17,7 @@ import sys
 import threading
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
+CTL_TIMEOUT_S = 5.0
 
 
 def _source(name: str) -> bytes:
@@ -52,6 +53,7 @@ class _Server:
         theirs.close()
         self.proc.stdin.write(b"%010d" % len(JUDGE_SRC) + JUDGE_SRC)
         self.proc.stdin.close()
+        ours.settimeout(CTL_TIMEOUT_S)  # a stuck judge costs one timeout, then it is replaced
         self.ctl = ours
 
     def alive(self) -> bool:
@@ -93,9 +95,10 @@ def open_sample(job: dict) -> tuple[socket.socket, socket.socket]:
                 socket.send_fds(server.ctl, [b"%010d" % len(body)], [chan_judge.fileno(), verdict_judge.fileno()])
                 server.ctl.sendall(body)
                 break
-            except OSError:  # the judge died between two samples: start another once
+            except OSError:  # the judge died (or hangs) between two samples: start another, once
                 chan_harness.close()
                 verdict_ours.close()
+                server.proc.kill()
                 _SERVER[0] = None
                 if attempt:
                     raise

@@ -302,7 +302,10 @@ class _Session:
 
     def _verdict(self, line: bytes) -> None:
         """One line from the judge (trusted: it never parses candidate bytes into anything but plain data)."""
-        obj = json.loads(line)
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):  # a judge killed mid-line
+            return
         if isinstance(obj.get("pid"), int):
             try:
                 self.judge_pidfd = os.pidfd_open(obj["pid"])
