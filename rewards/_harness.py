@@ -11,8 +11,9 @@ the request it answers, so a late answer can never be taken for the answer to a 
 Protocol. stdin: this source (length-prefixed, read by the bootstrap), one JSON line (the job), then kept
 open as a lifeline: EOF means the parent is gone and the harness kills everything and exits. The job
 names the inherited descriptor of the judge's channel. Channel, judge to harness, one JSON line each:
-``{"op": "start", "i", "kind": "call"|"stdio", "budget", "stdin"}``, ``{"op": "call"|"resolve", "seq",
-...}`` (forwarded to the candidate), ``{"op": "end"}``, ``{"op": "bye"}``. Harness to judge: ``<seq>
+``{"op": "start", "seq", "i", "kind": "call"|"stdio", "budget", "names"|"stdin"}`` (a call test's
+candidate answers which of ``names`` it defines, and as what), ``{"op": "call", "seq", ...}`` (forwarded
+to the candidate), ``{"op": "end"}``, ``{"op": "bye"}``. Harness to judge: ``<seq>
 <answer line>``. stdout, for the parent: ``{"ready": 1, ...}``, ``{"start": i}``, ``{"i": i, "status"}``
 after each test, ``{"done": 1}``.
 
@@ -371,6 +372,8 @@ class _Relay:
         self.pid = _fork(_serve_child, (self.job, child.fileno()), [])
         child.close()
         self.sock, self.reaper = parent, _Reaper(self.pid)
+        # a call test's start carries the names the test needs: resolving them is its first request
+        self.call(msg["seq"], json.dumps({"op": "resolve", "names": msg.get("names", [])}).encode())
 
     def kill(self, status):
         if self.pid is not None:
@@ -458,7 +461,7 @@ def _serve(job, relay):
             op = msg.get("op")
             if op == "start":
                 relay.start(msg)
-            elif op in ("call", "resolve"):
+            elif op == "call":
                 relay.call(msg["seq"], line)
             elif op == "end":
                 relay.finish()

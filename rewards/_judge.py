@@ -134,10 +134,11 @@ def _proxy(test, name):
     return call
 
 
-def _bind(test, names, scope):
-    if not names:
-        return
-    kinds = test.request({"op": "resolve", "names": names}, "resolve")
+def _bind(test, spec, scope):
+    """Start the test's candidate process; bind each name the test needs to what the candidate reports."""
+    names = spec["names"]
+    kinds = test.request({"op": "start", "i": spec["i"], "kind": "call", "budget": spec["budget"],
+                          "names": names}, "resolve")
     for name in names:
         kind = kinds.get(name)
         if kind == ["fn"]:
@@ -168,11 +169,10 @@ def _run_one(test, spec):
             return False, "nonzero_exit"
         ok = _normalize_output(out["stdout"]) == _normalize_output(spec["expected"])
         return ok, "ok" if ok else "wrong_output"
-    test.chan.send({"op": "start", "i": spec["i"], "kind": "call", "budget": spec["budget"]})
     scope = {"__name__": "__judge__", "__builtins__": builtins}
     for m in _PARENT_MODULES:
         scope[m] = importlib.import_module(m)
-    _bind(test, spec["names"], scope)
+    _bind(test, spec, scope)
     exec(compile(spec["src"], "<test %d>" % spec["i"], "exec"), scope)
     return True, "ok"
 

@@ -273,7 +273,7 @@ class _Session:
         self.verdicts: list = [None] * n_tests
         self.records: list = [None] * n_tests
         self.ready, self.done, self.judged, self.current, self.reason = None, False, False, None, ""
-        self.judge_pidfd = None
+        self.judge_pidfd, self.v_closed, self.vbuf = None, False, bytearray()
         self.stderr = bytearray()
         self.hard_end = time.monotonic() + limits.total_timeout_s + RUN_GRACE_S
         self.test_end = None
@@ -321,8 +321,15 @@ class _Session:
         out_fd, err_fd, in_fd = self.proc.stdout.fileno(), self.proc.stderr.fileno(), self.proc.stdin.fileno()
         v_fd = self.vsock.fileno()
         os.set_blocking(in_fd, False)
-        bufs, open_fds = {out_fd: bytearray(), v_fd: bytearray()}, {out_fd, err_fd, v_fd}
-        while not (self.judged and (self.done or out_fd not in open_fds)) and (out_fd in open_fds or v_fd in open_fds):
+        bufs, open_fds = {out_fd: bytearray(), v_fd: self.vbuf}, {out_fd, err_fd}
+        while True:
+            if (self.done or out_fd not in open_fds) and v_fd not in open_fds and not self.v_closed:
+                # the verdicts wait in their socket until the harness is done (the judge says bye
+                # first): one wake-up for all of them, not one per test
+                open_fds.add(v_fd)
+                self.test_end = None
+            if self.judged or self.v_closed or not open_fds or (out_fd not in open_fds and not self.ready):
+                break  # judged, or everything closed, or the sandbox did not start
             now = time.monotonic()
             end = min(self.hard_end, self.test_end or self.hard_end)
             if now >= end:
@@ -340,25 +347,44 @@ class _Session:
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     open_fds.discard(fd)
+                    self.v_closed = self.v_closed or fd == v_fd  # the judge is gone: no more verdicts
                 elif fd == err_fd:
                     self.stderr = (self.stderr + chunk)[-4096:]
                 else:
-                    buf = bufs[fd] + chunk
+                    buf = bufs[fd]  # the verdicts' buffer is self.vbuf: finish() drains into the same one
+                    buf += chunk
                     *lines, rest = bytes(buf).split(b"\n")
-                    bufs[fd] = bytearray(rest)
+                    buf[:] = rest
                     for line in lines:
                         (self._handle if fd == out_fd else self._verdict)(line)
                     if len(rest) > self.line_cap:
                         self.reason = "harness output too long"
                         return
-            if out_fd not in open_fds and not self.ready:
-                break  # the sandbox did not start: no judge will be answered
         if not self.judged:
             self.reason = self.reason or "judge or harness exited early"
+
+    def _drain_verdicts(self) -> None:
+        """What the judge has written so far (its pid first, then finished tests' verdicts), without waiting."""
+        if self.v_closed or self.judged:
+            return
+        self.vsock.setblocking(False)
+        try:
+            while True:
+                chunk = self.vsock.recv(1 << 16)
+                if not chunk:
+                    break
+                self.vbuf += chunk
+        except OSError:  # nothing more for now
+            pass
+        *lines, rest = bytes(self.vbuf).split(b"\n")
+        self.vbuf = bytearray(rest)
+        for line in lines:
+            self._verdict(line)
 
     def finish(self, ns_mode: bool) -> bool:
         """Make sure nothing of the sandbox runs; True when the harness ended by itself."""
         clean = self.done
+        self._drain_verdicts()
         if self.judge_pidfd is not None:
             if not self.judged:  # past its deadline (or cut off): the judge's child goes too
                 try:
