@@ -13,7 +13,7 @@ open as a lifeline: EOF means the parent is gone and the harness kills everythin
 names the inherited descriptor of the judge's channel. Channel, judge to harness, one JSON line each:
 ``{"op": "start", "seq", "i", "kind": "call"|"stdio", "budget", "names"|"stdin"}`` (a call test's
 candidate answers which of ``names`` it defines, and as what), ``{"op": "call", "seq", ...}`` (forwarded
-to the candidate), ``{"op": "end"}``, ``{"op": "bye"}``. Harness to judge: ``<seq>
+to the candidate), ``{"op": "bye"}`` (the next start, or bye, ends the test before it). Harness to judge: ``<seq>
 <answer line>``. stdout, for the parent: ``{"ready": 1, ...}``, ``{"start": i}``, ``{"i": i, "status"}``
 after each test, ``{"done": 1}``.
 
@@ -29,7 +29,6 @@ import os
 import resource
 import select
 import signal
-import socket
 import sys
 import time
 
@@ -103,13 +102,13 @@ def _set_limits(lim):
 
 # ---- candidate processes (candidate code runs only here) -------------------------------------------
 
-def _child_common(job, stdin_fd, stdout_fd, keep_fd):
+def _child_common(job, stdin_fd, stdout_fd, keep_fds=()):
     os.setpgid(0, 0)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd, src in enumerate((stdin_fd, stdout_fd, None)):
         os.dup2(devnull if src is None else src, fd)
     for fd in range(3, 1024):  # our stdout, the lifeline and the judge's channel must not reach the candidate
-        if fd != keep_fd:
+        if fd not in keep_fds:
             try:
                 os.close(fd)
             except OSError:
@@ -152,9 +151,9 @@ def _answer(ns, failed, req):
         return {"bad": str(e)[:80]}
 
 
-def _serve_child(job, sock_fd):
+def _serve_child(job, req_fd, ans_fd):
     """One call test's candidate process: run the code, then answer requests, one line each."""
-    _child_common(job, None, None, sock_fd)
+    _child_common(job, None, None, (req_fd, ans_fd))
     ns = {"__name__": "solution", "__builtins__": __builtins__}
     failed = None
     try:
@@ -164,7 +163,7 @@ def _serve_child(job, sock_fd):
     buf = b""
     while True:
         while b"\n" not in buf:
-            chunk = os.read(sock_fd, 1 << 16)
+            chunk = os.read(req_fd, 1 << 16)
             if not chunk:
                 os._exit(0)
             buf += chunk
@@ -175,12 +174,12 @@ def _serve_child(job, sock_fd):
             out = json.dumps({"bad": type(e).__name__})
         data = out.encode() + b"\n"
         while data:
-            data = data[os.write(sock_fd, data):]
+            data = data[os.write(ans_fd, data):]
 
 
 def _stdio_child(job, stdin_fd, out_w):
     import io
-    _child_common(job, stdin_fd, out_w, None)
+    _child_common(job, stdin_fd, out_w)
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     status = 0
@@ -346,12 +345,29 @@ def _emit(obj):
     sys.stdout.flush()
 
 
+class _Channel:
+    """The judge's channel as a raw descriptor (a socket, read and written with os.read/os.write)."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def fileno(self):
+        return self.fd
+
+    def sendall(self, data):
+        while data:
+            data = data[os.write(self.fd, data):]
+
+    def recv(self, n):
+        return os.read(self.fd, n)
+
+
 class _Relay:
     """One test at a time: the candidate process of the current call test, its deadline, its answers."""
 
     def __init__(self, job, chan, end):
         self.job, self.chan, self.end = job, chan, end
-        self.i, self.pid, self.sock, self.reaper = None, None, None, None
+        self.i, self.pid, self.req, self.ans, self.reaper = None, None, None, None, None
         self.deadline, self.status, self.buf = 0.0, "ok", b""
 
     def send(self, seq, line):
@@ -368,12 +384,17 @@ class _Relay:
             self.send(msg["seq"], json.dumps({"stdout": out.decode("utf-8", "replace"), "exit": code,
                                               "status": status}).encode())
             return
-        parent, child = socket.socketpair()
-        self.pid = _fork(_serve_child, (self.job, child.fileno()), [])
-        child.close()
-        self.sock, self.reaper = parent, _Reaper(self.pid)
-        # a call test's start carries the names the test needs: resolving them is its first request
-        self.call(msg["seq"], json.dumps({"op": "resolve", "names": msg.get("names", [])}).encode())
+        req_r, self.req = os.pipe()  # plain pipes: the socket module costs the sandbox's start-up time
+        self.ans, ans_w = os.pipe()
+        self.pid = _fork(_serve_child, (self.job, req_r, ans_w), [req_r, ans_w])
+        os.set_blocking(self.req, False)
+        self.reaper = _Reaper(self.pid)
+        # a call test's start carries the names the test needs (resolving them is its first request) and
+        # may carry the test's one call, sent at once so that its answer is ready when the judge asks
+        requests = [(msg["seq"], json.dumps({"op": "resolve", "names": msg.get("names", [])}).encode())]
+        if msg.get("first"):
+            requests.append((msg["first"]["seq"], json.dumps(msg["first"]).encode()))
+        self.call(requests)
 
     def kill(self, status):
         if self.pid is not None:
@@ -381,50 +402,72 @@ class _Relay:
                 os.killpg(self.pid, signal.SIGKILL)
             except OSError:
                 pass
-            self.sock.close()
-            self.pid = self.sock = None
+            pidfd = _pidfd(self.pid)
+            if pidfd is not None:  # wake the moment it is gone: the sweep after it then need not poll
+                select.select([pidfd], [], [], 1.0)
+                os.close(pidfd)
+            os.close(self.req)
+            os.close(self.ans)
+            self.pid = self.req = self.ans = None
             if self.status == "ok":
                 self.status = status
 
-    def call(self, seq, line):
-        """Forward one request; wait for the answer line, the candidate's exit or the deadline."""
+    def call(self, requests):
+        """Forward requests ``[(seq, line), ...]`` at once; forward one answer line per request, in
+        order, each as it comes, until the candidate exits or the deadline passes (then every request
+        still unanswered is answered with that)."""
         if self.pid is None:
-            return self.send(seq, json.dumps({"h": self.status if self.status != "ok" else "died"}).encode())
-        cap, pidfd = self.job["max_output_bytes"], _pidfd(self.pid)
+            for seq, _ in requests:
+                self.send(seq, json.dumps({"h": self.status if self.status != "ok" else "died"}).encode())
+            return
+        pidfd = _pidfd(self.pid)
         try:
-            self.sock.settimeout(max(0.001, self.deadline - time.monotonic()))
-            self.sock.sendall(line + b"\n")
-            self.sock.setblocking(False)
-            while b"\n" not in self.buf:
-                now = time.monotonic()
-                if now >= self.deadline:
-                    return self._fail(seq, "timeout")
-                fds = [0, self.sock] + ([pidfd] if pidfd is not None else [])
-                ready = select.select(fds, [], [], min(self.deadline - now, 0.05))[0]
-                if 0 in ready:
-                    _check_lifeline()
-                if self.sock in ready:
-                    chunk = self.sock.recv(1 << 16)
-                    if not chunk:
-                        return self._fail(seq, "died")
-                    self.buf += chunk
-                    if len(self.buf) > cap and b"\n" not in self.buf[:cap + 1]:
-                        return self._fail(seq, "output_limit")
-                elif pidfd is None or pidfd in ready:
-                    self.reaper.reap()
-                    if self.reaper.exited and self.sock not in select.select([self.sock], [], [], 0)[0]:
-                        return self._fail(seq, "died")
+            data = b"".join(line + b"\n" for _, line in requests)
+            while data:  # a candidate that stops reading costs it its deadline, not ours
+                if not select.select([], [self.req], [], max(0.0, self.deadline - time.monotonic()))[1]:
+                    raise TimeoutError
+                data = data[os.write(self.req, data):]
+            for k, (seq, _) in enumerate(requests):
+                why = self._answer(seq, pidfd)
+                if why:
+                    self.kill(why)
+                    for later, _ in requests[k:]:
+                        self.send(later, json.dumps({"h": why}).encode())
+                    return
         except OSError:  # the candidate closed its end or stopped reading until the deadline
-            return self._fail(seq, "timeout" if time.monotonic() >= self.deadline else "died")
+            why = "timeout" if time.monotonic() >= self.deadline else "died"
+            self.kill(why)
+            for seq, _ in requests:  # the judge drops answers to requests it no longer waits for
+                self.send(seq, json.dumps({"h": why}).encode())
         finally:
             if pidfd is not None:
                 os.close(pidfd)
+
+    def _answer(self, seq, pidfd):
+        """Wait for one answer line and forward it; return why not (timeout, died, output_limit) or None."""
+        cap = self.job["max_output_bytes"]
+        while b"\n" not in self.buf:
+            now = time.monotonic()
+            if now >= self.deadline:
+                return "timeout"
+            fds = [0, self.ans] + ([pidfd] if pidfd is not None else [])
+            ready = select.select(fds, [], [], min(self.deadline - now, 0.05))[0]
+            if 0 in ready:
+                _check_lifeline()
+            if self.ans in ready:
+                chunk = os.read(self.ans, 1 << 16)
+                if not chunk:
+                    return "died"
+                self.buf += chunk
+                if len(self.buf) > cap and b"\n" not in self.buf[:cap + 1]:
+                    return "output_limit"
+            elif pidfd is None or pidfd in ready:
+                self.reaper.reap()
+                if self.reaper.exited and self.ans not in select.select([self.ans], [], [], 0)[0]:
+                    return "died"
         answer, self.buf = self.buf.split(b"\n", 1)
         self.send(seq, answer)
-
-    def _fail(self, seq, why):
-        self.kill(why)
-        self.send(seq, json.dumps({"h": why}).encode())
+        return None
 
     def finish(self):
         if self.i is None:
@@ -462,9 +505,7 @@ def _serve(job, relay):
             if op == "start":
                 relay.start(msg)
             elif op == "call":
-                relay.call(msg["seq"], line)
-            elif op == "end":
-                relay.finish()
+                relay.call([(msg["seq"], line)])
             elif op == "bye":
                 return
 
@@ -489,7 +530,7 @@ def main():
     pid1 = os.getpid() == 1
     _STATE["kill_all"] = job["kill_all"] or pid1
     _STATE["workdir"] = job.get("workdir")
-    chan = socket.socket(fileno=job["channel_fd"])
+    chan = _Channel(job["channel_fd"])
     relay = _Relay(job, chan, time.monotonic() + job["total_timeout_s"])
     _emit({"ready": 1, "pid1": pid1, "python": list(sys.version_info[:3])})
     chan.sendall(b'0 {"ready": 1}\n')  # the judge starts the sample's clock now, as we do

@@ -45,12 +45,23 @@ class _Chan:
 
     def __init__(self, sock, cap):
         self.sock, self.cap, self.buf, self.seq = sock, cap, b"", 0
+        self.end = None  # the sample's deadline, known once the harness is ready
+        self.total = self.test_timeout = 0.0
+
+    def ready(self):
+        """The harness is up: the sample's clock starts, and the running test's alarm gets its budget."""
+        if self.end is None:
+            self.end = time.monotonic() + self.total
+            signal.setitimer(signal.ITIMER_REAL, max(0.001, min(self.test_timeout, self.total)), 0.05)
 
     def send(self, msg):
-        """One line; SIGALRM is held meanwhile, so a deadline never leaves half a line behind."""
+        self.send_many([msg])
+
+    def send_many(self, msgs):
+        """Lines in one write; SIGALRM is held meanwhile, so a deadline never leaves half a line behind."""
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
         try:
-            self.sock.sendall(json.dumps(msg).encode() + b"\n")
+            self.sock.sendall(b"".join(json.dumps(m).encode() + b"\n" for m in msgs))
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
 
@@ -62,16 +73,23 @@ class _Test:
         self.chan = chan
         self.failed = None   # why a call failed: the test fails whatever the test code does after it
         self.raised = None   # type name of the candidate's last exception
+        self.prefetch = None  # (call key, seq) of the call sent with the test's start
 
     def request(self, msg, expect):
         """Send one request; return the candidate's answer (see interpret), or raise CallFailed."""
-        ch = self.chan
-        ch.seq += 1
-        ch.send(dict(msg, seq=ch.seq))
+        self.chan.seq += 1
+        self.chan.send(dict(msg, seq=self.chan.seq))
+        return self.wait(self.chan.seq, expect)
+
+    def wait(self, want, expect):
+        """The answer to request ``want``; answers to earlier requests (that timed out here, or a
+        prefetched call the test did not make) are dropped."""
         while True:
             seq, _, body = self._line().partition(b" ")
-            if seq == b"%d" % ch.seq:  # answers to earlier requests (that timed out here) are dropped
+            if seq == b"%d" % want:
                 return interpret(body, self, expect)
+            if seq == b"0" and body == b'{"ready": 1}':  # written by the harness, before any candidate
+                self.chan.ready()
 
     def _line(self):
         ch = self.chan
@@ -129,17 +147,41 @@ def _proxy(test, name):
             a, k = plain_encode(list(args)), plain_encode(dict(kwargs))
         except PlainError:
             return test.fail("bad_argument")
+        first, test.prefetch = test.prefetch, None
+        if first and first[0] == (name, json.dumps(a), json.dumps(k)):  # sent with the start: answered already
+            return test.wait(first[1], "call")
         return test.request({"op": "call", "name": name, "args": a, "kwargs": k}, "call")
     call.__name__ = call.__qualname__ = name
     return call
 
 
+def start_message(ch, spec):
+    """The start of a call test (numbered on ``ch``), with the test's one call when it has one (literal
+    arguments, see code_tests.first_call), so that its answer is ready when the test asks; returns the
+    message and the prefetch record ``(call key, seq)`` or None."""
+    ch.seq += 1
+    msg = {"op": "start", "seq": ch.seq, "i": spec["i"], "kind": "call", "budget": spec["budget"],
+           "names": spec["names"]}
+    first, prefetch = spec.get("first"), None
+    if first:
+        ch.seq += 1
+        msg["first"] = {"op": "call", "seq": ch.seq, "name": first["name"], "args": first["args"],
+                        "kwargs": first["kwargs"]}
+        prefetch = ((first["name"], json.dumps(first["args"]), json.dumps(first["kwargs"])), ch.seq)
+    return msg, prefetch
+
+
 def _bind(test, spec, scope):
-    """Start the test's candidate process; bind each name the test needs to what the candidate reports."""
-    names = spec["names"]
-    kinds = test.request({"op": "start", "i": spec["i"], "kind": "call", "budget": spec["budget"],
-                          "names": names}, "resolve")
-    for name in names:
+    """Start the test's candidate process (unless it was started ahead, see judge_sample); bind each name
+    the test needs to what the candidate reports."""
+    sent = spec.get("sent")
+    if sent is None:
+        msg, prefetch = start_message(test.chan, spec)
+        test.chan.send(msg)
+        sent = (msg["seq"], prefetch)
+    test.prefetch = sent[1]
+    kinds = test.wait(sent[0], "resolve")
+    for name in spec["names"]:
         kind = kinds.get(name)
         if kind == ["fn"]:
             scope[name] = _proxy(test, name)
@@ -149,6 +191,27 @@ def _bind(test, spec, scope):
             except PlainError:
                 test.fail("bad_value")
         # missing or not plain: left unbound, the test sees a NameError
+
+
+def _self_contained(spec):
+    """A call test whose only use of the candidate is its one prefetched call: it sends nothing after
+    its start, so its start can go ahead of the tests before it (the harness runs them in order)."""
+    first = spec.get("first")
+    return spec["kind"] == "call" and first is not None and spec["names"] == [first["name"]]
+
+
+def _send_ahead(ch, tests, i):
+    """Start every self-contained test from ``i`` on, in one write; returns how many."""
+    msgs, j = [], i
+    while j < len(tests) and _self_contained(tests[j]):
+        spec = dict(tests[j], i=j, budget=ch.test_timeout)  # the harness cuts it to the sample's total
+        msg, prefetch = start_message(ch, spec)
+        tests[j] = dict(tests[j], sent=(msg["seq"], prefetch))
+        msgs.append(msg)
+        j += 1
+    if msgs:
+        ch.send_many(msgs)
+    return j - i
 
 
 def _normalize_output(text):
@@ -210,35 +273,36 @@ def _alarm(*_):
 
 
 def judge_sample(job, chan, out):
-    """Run every test of one sample in order, each within its own deadline and the sample's total."""
+    """Run every test of one sample in order, each within its own deadline and the sample's total. The
+    sample's clock starts when the harness says it is ready (its start-up has the parent's margin); the
+    first test is sent before that, so the sandbox starts it at once, and its alarm is re-armed then."""
     out.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
     signal.signal(signal.SIGALRM, _alarm)
     ch = _Chan(chan, job["max_output_bytes"] + 4096)
-    ready = False
-    try:  # the sample's clock starts when the sandbox is up (its start-up has the parent's margin)
-        ready = _Test(ch)._line() == b'0 {"ready": 1}'
-    except (CallFailed, OSError):
-        pass
-    end = time.monotonic() + (job["total_timeout_s"] if ready else 0.0)
-    for i, spec in enumerate(job["tests"]):
+    ch.total, ch.test_timeout = job["total_timeout_s"], job["test_timeout_s"]
+    tests, ahead = list(job["tests"]), 0
+    for i, spec in enumerate(tests):
+        # Self-contained tests are started in runs, ahead of their verdicts: the harness runs them back
+        # to back and enforces their deadlines (each its own timeout, cut to the sample's total).
+        if not ahead:
+            ahead = _send_ahead(ch, tests, i)
+        ahead = max(0, ahead - 1)  # how many of the tests after this one are started already
+        spec = tests[i]
         # each test's deadline is its own timeout, cut to what is left of the sample's total
-        budget = min(job["test_timeout_s"], end - time.monotonic())
-        if budget <= 0.001:  # the total is spent: the remaining tests time out without starting
+        budget = ch.test_timeout if ch.end is None else min(ch.test_timeout, ch.end - time.monotonic())
+        if budget <= 0.001 and "sent" not in spec:  # the total is spent: the rest time out without starting
             out.sendall(json.dumps({"i": i, "ok": False, "why": "timeout", "budget": 1}).encode() + b"\n")
             continue
         test = _Test(ch)
-        signal.setitimer(signal.ITIMER_REAL, budget, 0.05)
+        # before the harness is ready: a generous alarm, re-armed with the real budget at ready
+        signal.setitimer(signal.ITIMER_REAL, budget if ch.end is not None else budget + ch.total, 0.05)
         try:
             ok, why = _verdict(test, dict(spec, i=i, budget=budget))
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-        try:
-            ch.send({"op": "end"})
-        except OSError:
-            pass
         out.sendall(json.dumps({"i": i, "ok": bool(ok), "why": str(why)[:60]}).encode() + b"\n")
     try:
-        ch.send({"op": "bye"})
+        ch.send({"op": "bye"})  # the next start, or bye, ends the test before it
     except OSError:
         pass
     out.sendall(b'{"done": 1}\n')

@@ -28,6 +28,7 @@ import json
 import warnings
 from typing import Any
 
+from rewards._plain import plain_encode
 from rewards.program_tests import free_names, split_program
 
 PARENT_MODULES = ("math", "cmath", "re", "string", "itertools", "functools", "collections", "heapq",
@@ -69,12 +70,38 @@ def _introspects(tree: ast.AST, names: list[str]) -> bool:
     return False
 
 
+def first_call(tree: ast.Module, names: list[str]) -> dict | None:
+    """The one call a single-assert test makes to the candidate when its arguments are literals
+    (``assert add(2, 3) == 5``), as a plain-data request: the judge sends it with the test's start, so
+    its answer is ready when the test asks (the candidate's process runs one test only, so calling it
+    early changes nothing the test can see). None for anything else."""
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+        return None
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in names]
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id in names]
+    if len(uses) != 1 or len(calls) != 1 or any(isinstance(n, (ast.Lambda, ast.comprehension)) for n in ast.walk(tree)):
+        return None
+    call = calls[0]
+    try:
+        args = [ast.literal_eval(a) for a in call.args]  # a *starred argument is not a literal
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None}
+        if len(kwargs) != len(call.keywords):
+            return None
+        return {"name": call.func.id, "args": plain_encode(args), "kwargs": plain_encode(kwargs)}
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # PlainError is a ValueError
+        return None
+
+
 def _compile_code(src: str, label: str, **flags) -> dict:
     tree = ast.parse(src)
     names = candidate_names(tree)
     compile(tree, label, "exec")  # a syntax error the parser let through shows here, not in the judge
-    return {"judge": {"kind": "call", "src": src, "names": names}, "vacuous": not names,
-            "unsupported": bool(names) and _introspects(tree, names), **flags}
+    judge = {"kind": "call", "src": src, "names": names}
+    first = first_call(tree, names)
+    if first:
+        judge["first"] = first
+    return {"judge": judge, "vacuous": not names, "unsupported": bool(names) and _introspects(tree, names), **flags}
 
 
 def compile_test(test: Any, index: int) -> list[dict]:

@@ -35,7 +35,7 @@ def test_decoding_work_is_bounded():
         plain_decode(colliding)
     with pytest.raises(PlainError, match="one hash"):
         plain_decode(["d", [[["t", [["i", str(k * p)]]], ["n"]] for k in range(1, 30000)]])
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 3.0  # building either would take minutes (n^2, n = 30,000)
     plain_decode(["S", [["i", str(k * p)] for k in range(1, PLAIN_MAX_SAME_HASH + 1)]])  # a few are fine
     assert len(plain_decode(["S", [["i", str(k)] for k in range(100000)]])) == 100000  # distinct: fine
     deep = ["n"]
