@@ -9,6 +9,7 @@ the sample's key.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import fcntl
 import glob
@@ -19,6 +20,7 @@ import time
 import uuid
 
 from rewards.code_reward import code_reward
+from rewards.sandbox import RUN_GRACE_S, mode_works
 from rewards.sandbox_uids import LOCK_DIR, UID_BASE, UID_COUNT
 
 TRACES = '''
@@ -215,3 +217,22 @@ def run(sample: Sample, code: str, tests, mode: str, max_s: float, **kw):
     assert seconds < max_s, (seconds, max_s, out)
     assert_nothing_left(sample)
     return out
+
+
+MODES = [m for m in ("bwrap", "unshare", "rlimits") if mode_works(m)]
+FAST = dict(test_timeout_s=1.0, total_timeout_s=4.0)
+BOUND = FAST["total_timeout_s"] + RUN_GRACE_S  # the parent kills the sandbox by then, whatever it does
+
+
+def run_cases(cases, mode):
+    """Run (name, code, tests, kwargs, max_s, check) cases four at a time, each a sample of its own that
+    leaves traces of every kind (Sample.traces); each checks its own result."""
+    def one(case):
+        name, code, tests, kw, max_s, check = case
+        sample = new_sample()
+        out = run(sample, sample.traces() + code, tests, mode, max_s, **{**FAST, **kw})
+        check(out)
+        return name
+
+    with cf.ThreadPoolExecutor(max_workers=4) as ex:
+        return list(ex.map(one, cases))
