@@ -269,3 +269,29 @@ def test_auto_warns_when_it_falls_back_to_rlimits(monkeypatch, caplog):
     with pytest.warns(UserWarning, match="unix sockets"):
         assert sb.resolve_mode("auto").mode == "rlimits"
     sb._warn_rlimits_picked.cache_clear()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_deadline_covers_judging_on_the_direct_path(mode):
+    """Judging has the same deadline as running, through call_reward with no RewardWorker around it: test
+    code that loops on the candidate's answer is cut by the judge's alarm, and test code that swallows
+    the alarm is killed by the parent at the test's deadline plus its grace."""
+    import time
+
+    from rewards import call_reward
+    from rewards.code_reward import code_reward as fn
+    from rewards.sandbox import TEST_GRACE_S
+    code = "def f():\n    return 10 ** 12\n"
+    tests = ["total = 0\nfor k in range(f()):\n    total += k\nassert total >= 0",
+             "import time\nwhile True:\n    try:\n        f()\n        time.sleep(1)\n    except BaseException:\n"
+             "        pass",
+             "assert f() == 10 ** 12"]
+    sample = new_sample()
+    t0 = time.monotonic()
+    out = call_reward(fn, {"completion": sample.traces() + code, "tests": tests},
+                      {"sandbox": mode, "test_timeout_s": 1.0, "total_timeout_s": 20.0})
+    seconds = time.monotonic() - t0
+    assert out.extras["outcomes"][0] == "timeout" and out.extras["outcomes"][1] == "timeout", out
+    assert seconds < 2 * 1.0 + TEST_GRACE_S + RUN_GRACE_S, seconds  # far below total_timeout_s = 20 s
+    from hostile import assert_nothing_left
+    assert_nothing_left(sample)
