@@ -45,9 +45,10 @@ from rewards.sandbox_uids import UID_BASE, UID_COUNT, Slot, kill_uid  # noqa: F4
 _LOG = logging.getLogger("rewards.sandbox")
 # the harness's source: the plain-data format first (shared with the judge), then the harness itself
 _HARNESS_SRC = judge_proc._source("_plain.py") + b"\n" + judge_proc._source("_harness.py")
-# The harness arrives on stdin (length-prefixed, then the job line): nothing of the host file system needs
-# to be visible for it, and the sandbox's command line stays short.
-_BOOT = ("import os\n"
+# The harness arrives on stdin, compiled (a marshalled code object, length-prefixed, then the job line):
+# nothing of the host file system needs to be visible for it, the sandbox's command line stays short, and
+# a sandbox start unmarshals ~700 lines instead of compiling them (100 times cheaper).
+_BOOT = ("import marshal, os\n"
          "def r(n):\n"
          "    b = b''\n"
          "    while len(b) < n:\n"
@@ -56,7 +57,9 @@ _BOOT = ("import os\n"
          "            raise SystemExit('harness: truncated input')\n"
          "        b += c\n"
          "    return b\n"
-         "exec(compile(r(int(r(10))), '<ebpo-harness>', 'exec'), {'__name__': '__main__'})\n")
+         "exec(marshal.loads(r(int(r(10)))), {'__name__': '__main__'})\n")
+_COMPILE = ("import marshal, sys\n"
+            "sys.stdout.buffer.write(marshal.dumps(compile(sys.stdin.buffer.read(), '<ebpo-harness>', 'exec')))\n")
 SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"}
 TEST_GRACE_S = 2.0   # the parent kills the sandbox when a test runs this much past its deadline
@@ -96,6 +99,21 @@ class SandboxInfo:
 class SandboxError(RuntimeError):
     """Infrastructure failure (sandbox did not start, unusable interpreter or uid range): score "skip",
     or a start-up error when raised by ``resolve_mode``."""
+
+
+@functools.lru_cache(maxsize=None)
+def harness_code(python: str) -> bytes:
+    """The harness compiled by the sandbox's own interpreter (the marshal format is that interpreter's),
+    once per process. Our own source, compiled outside any sandbox: nothing of a candidate is involved."""
+    try:
+        out = subprocess.run([python, "-I", "-B", "-c", _COMPILE], input=_HARNESS_SRC, capture_output=True,
+                             timeout=60, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}, cwd="/")
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxError(f"the sandbox interpreter {python!r} cannot compile the harness: {e}") from None
+    if out.returncode or not out.stdout:
+        raise SandboxError(f"the sandbox interpreter {python!r} cannot compile the harness: "
+                           f"{out.stderr.decode('utf-8', 'replace')[-300:]}")
+    return out.stdout
 
 
 def wall_bound_s(limits: Limits) -> float:
@@ -450,6 +468,7 @@ def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo) -
     ``{"kind": "stdio", "stdin", "expected"}``, see _judge.py); return one ``(passed, why)`` per test.
     Raises SandboxError on infrastructure failures (the sandbox did not start)."""
     ns_mode = info.mode in ("bwrap", "unshare")
+    harness = harness_code(info.python)  # before anything starts: a failure here leaves nothing behind
     chan, verdicts = judge_proc.open_sample({
         "tests": tests, "test_timeout_s": limits.test_timeout_s, "total_timeout_s": limits.total_timeout_s,
         "max_output_bytes": limits.max_output_bytes, "memory_bytes": max(2 << 30, 2 * (limits.memory_mb << 20))})
@@ -476,7 +495,7 @@ def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo) -
                                         env=dict(SAFE_ENV, HOME=home, TMPDIR=home), pass_fds=(chan.fileno(),),
                                         start_new_session=True, **_user_kwargs(uid))
                 chan.close()  # the harness holds it now: when the sandbox dies the judge sees EOF
-                stdin = b"%010d" % len(_HARNESS_SRC) + _HARNESS_SRC + (json.dumps(job) + "\n").encode()
+                stdin = b"%010d" % len(harness) + harness + (json.dumps(job) + "\n").encode()
                 session = _Session(proc, stdin, limits, len(tests), verdicts)
                 try:
                     session.run()

@@ -157,16 +157,17 @@ def test_megabytes_of_policy_text_and_of_values_cost_little(mode):
     collide, collide_keys = "KIND, N = 'set', 30000\n" + forge, "KIND, N = 'dict', 15000\n" + forge
     distinct = "def add(a, b):\n    return set(range(35000))\n"
     tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]
-    cases = [(f"text_{n}", add + tail, tests, {}, BOUND, ONE)
+    slow = {"test_timeout_s": 3.0}  # building 30,000 items takes the candidate a while on a loaded machine
+    cases = [(f"text_{n}", add + tail, tests, slow, BOUND, ONE)
              for n, tail in [("fence_word", "```" + "a" * (1 << 20)), ("header", "```py" + "x" * (1 << 20) + "\n"),
                              ("ticks", "``\n" * (1 << 18))]]
-    cases += [("colliding_set", collide, tests, {}, BOUND, _outcomes(0.0, ["bad_value"] * 2)),
-              ("colliding_keys", collide_keys, tests, {}, BOUND, _outcomes(0.0, ["bad_value"] * 2)),
-              ("too_long", "def add(a, b):\n    return 'x' * (2 << 20)\n", tests, {}, BOUND,
+    cases += [("colliding_set", collide, tests, slow, BOUND, _outcomes(0.0, ["bad_value"] * 2)),
+              ("colliding_keys", collide_keys, tests, slow, BOUND, _outcomes(0.0, ["bad_value"] * 2)),
+              ("too_long", "def add(a, b):\n    return 'x' * (2 << 20)\n", tests, slow, BOUND,
                _outcomes(0.0, ["output_limit"] * 2)),
               ("too_deep", "def add(a, b):\n    v = []\n    for _ in range(5000):\n        v = [v]\n    return v\n",
-               tests, {}, BOUND, _outcomes(0.0, ["bad_value"] * 2)),
-              ("distinct_set", distinct, ["assert len(add(1, 2)) == 35000"], {}, BOUND, ONE)]
+               tests, slow, BOUND, _outcomes(0.0, ["bad_value"] * 2)),
+              ("distinct_set", distinct, ["assert len(add(1, 2)) == 35000"], slow, BOUND, ONE)]
     _sequential_cases(cases, mode)
 
 
