@@ -1,15 +1,21 @@
-"""Trusted test harness, run INSIDE the sandbox (``python -I -B -c <bootstrap>`` reads this source from stdin).
+"""Trusted harness, run INSIDE the sandbox (``python -I -B -c <bootstrap>`` reads this source, after
+``_plain.py``'s, from stdin).
 
 Standard library only, Python >= 3.9 (the sandbox interpreter may not be ours). This process never
-executes candidate code: every test runs in a forked child with its own process group, rlimits, a
-per-test deadline and a capped output pipe. Children report *values* (the candidate's return values
-serialised as tagged plain data, or its stdout, or an exit status); expected values never enter the
-sandbox, so the verdict is computed by the parent outside it. The harness forwards what a child wrote as
-an opaque string and never parses it.
+executes candidate code and holds nothing of the verdict: it starts one candidate process per test when
+the judge asks, relays the judge's requests to it and its answers back, and enforces the deadlines. The
+judge (``_judge.py``, outside the sandbox) runs the test code; the candidate answers with plain data
+only (``_plain.py``), and the harness forwards each answer line untouched, prefixed with the number of
+the request it answers, so a late answer can never be taken for the answer to a later request.
 
 Protocol. stdin: this source (length-prefixed, read by the bootstrap), one JSON line (the job), then kept
-open as a lifeline: EOF means the parent is gone and the harness kills everything and exits. stdout, one
-JSON object per line: {"ready": 1, ...}, {"start": i} before test i, one record per test, {"done": 1}.
+open as a lifeline: EOF means the parent is gone and the harness kills everything and exits. The job
+names the inherited descriptor of the judge's channel. Channel, judge to harness, one JSON line each:
+``{"op": "start", "seq", "i", "kind": "call"|"stdio", "budget", "names"|"stdin"}`` (a call test's
+candidate answers which of ``names`` it defines, and as what), ``{"op": "call", "seq", ...}`` (forwarded
+to the candidate), ``{"op": "bye"}`` (the next start, or bye, ends the test before it). Harness to judge: ``<seq>
+<answer line>``. stdout, for the parent: ``{"ready": 1, ...}``, ``{"start": i}``, ``{"i": i, "status"}``
+after each test, ``{"done": 1}``.
 
 Containment. In the ``bwrap``/``unshare`` modes this process is pid 1 of the sandbox's pid namespace:
 signals from inside the namespace cannot stop or kill it, orphans are re-parented to it, and when it
@@ -26,37 +32,13 @@ import signal
 import sys
 import time
 
-_REAL_BUILTINS = dict(__builtins__.__dict__) if hasattr(__builtins__, "__dict__") else dict(__builtins__)
-_MAX_DEPTH = 64
+try:  # run, this file comes after _plain.py's source; imported (by tests, by linters), it imports it
+    plain_encode  # noqa: B018
+except NameError:
+    from rewards._plain import PlainError, plain_decode, plain_encode
+
 _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 4, 24, 36, 38
 _MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
-
-
-def _encode(v, depth=0):
-    """Tagged plain data; only exact builtin types (a subclass with a lying __eq__ is rejected)."""
-    if depth > _MAX_DEPTH:
-        raise ValueError("value nested too deeply")
-    t = type(v)
-    if v is None:
-        return ["n"]
-    if t is bool:
-        return ["b", v]
-    if t is int:
-        return ["i", str(v)]
-    if t is float:
-        return ["f", repr(v)]
-    if t is complex:
-        return ["c", repr(v.real), repr(v.imag)]
-    if t is str:
-        return ["s", v]
-    if t is bytes:
-        return ["y", v.hex()]
-    if t in (list, tuple, set, frozenset):
-        tag = {list: "l", tuple: "t", set: "S", frozenset: "F"}[t]
-        return [tag, [_encode(x, depth + 1) for x in v]]
-    if t is dict:
-        return ["d", [[_encode(k, depth + 1), _encode(x, depth + 1)] for k, x in v.items()]]
-    raise TypeError("unsupported result type " + t.__name__)
 
 
 # ---- process set-up -------------------------------------------------------------------------------
@@ -66,8 +48,10 @@ def _libc():
 
 
 def _mount_private_tmp(size_bytes):
-    """unshare mode: fresh size-limited tmpfs on /tmp, /dev/shm, /var/tmp in our own mount namespace,
-    then drop every capability so nothing the candidate runs can unmount them (or mount anything)."""
+    """unshare mode: fresh size-limited tmpfs on /tmp, /dev/shm, /var/tmp and /run in our own mount
+    namespace (the host's unix sockets live under /run and /tmp: connect() needs only write permission on
+    the socket file, and no network namespace covers it), then drop every capability so nothing the
+    candidate runs can unmount them (or mount anything)."""
     libc = _libc()
 
     def mount(src, target, fstype, flags, data):
@@ -76,7 +60,7 @@ def _mount_private_tmp(size_bytes):
             raise OSError(err, "mount %s: %s" % (target, os.strerror(err)))
 
     mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)
-    for target in ("/tmp", "/dev/shm", "/var/tmp"):
+    for target in ("/tmp", "/dev/shm", "/var/tmp", "/run"):
         if os.path.isdir(target):
             mount(b"tmpfs", target, b"tmpfs", _MS_NOSUID | _MS_NODEV, ("size=%d,mode=1777" % size_bytes).encode())
     for cap in range(64):  # empty bounding set: exec cannot regain capabilities as uid 0 in the user ns
@@ -116,15 +100,15 @@ def _set_limits(lim):
             pass
 
 
-# ---- children (candidate code runs only here) ------------------------------------------------------
+# ---- candidate processes (candidate code runs only here) -------------------------------------------
 
-def _child_common(job, stdin_fd, stdout_fd, keep_fd):
+def _child_common(job, stdin_fd, stdout_fd, keep_fds=()):
     os.setpgid(0, 0)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd, src in enumerate((stdin_fd, stdout_fd, None)):
         os.dup2(devnull if src is None else src, fd)
-    for fd in range(3, 1024):  # our stdout, the lifeline and the job's pipes must not reach the candidate
-        if fd != keep_fd:
+    for fd in range(3, 1024):  # our stdout, the lifeline and the judge's channel must not reach the candidate
+        if fd not in keep_fds:
             try:
                 os.close(fd)
             except OSError:
@@ -134,49 +118,73 @@ def _child_common(job, stdin_fd, stdout_fd, keep_fd):
     sys.path.extend(job.get("sys_path", []))
 
 
-def _namespace(name):
-    return {"__name__": name, "__builtins__": __builtins__}
-
-
-def _probe_child(job, exprs, result_w):
-    _child_common(job, None, None, result_w)
+def _answer(ns, failed, req):
+    """The candidate's answer to one request, as a JSON-able dict of plain data."""
+    if failed:
+        return {"raised": failed}
+    if req.get("op") == "resolve":
+        kinds = {}
+        for name in req.get("names", []):
+            if name not in ns:
+                kinds[name] = ["missing"]
+            elif callable(ns[name]):
+                kinds[name] = ["fn"]
+            else:
+                try:
+                    kinds[name] = ["v", plain_encode(ns[name])]
+                except PlainError:
+                    kinds[name] = ["obj"]
+        return {"names": kinds}
     try:
-        ns = _namespace("solution")
-        exec(compile(job["code"], "<solution>", "exec"), ns)
-        vals = []
-        for expr, names in exprs:
-            g = dict(ns)
-            g.update({n: _REAL_BUILTINS[n] for n in names if n in _REAL_BUILTINS})
-            vals.append(_encode(eval(compile(expr, "<test>", "eval"), g)))
-        payload = {"values": vals}
-    except BaseException as e:  # SystemExit included: exiting early is a failure, not a pass
-        payload = {"error": type(e).__name__}
-    data = json.dumps(payload).encode()
-    while data:
-        data = data[os.write(result_w, data):]
-    os._exit(0)
-
-
-def _program_child(job, test, _unused):
-    """Program test: only the exit status counts, and only the per-call code drawn by the parent."""
-    _child_common(job, None, None, None)
+        fn = ns[req["name"]]
+        args = plain_decode(req["args"])
+        kwargs = plain_decode(req["kwargs"])
+    except (KeyError, PlainError):
+        return {"raised": "NameError"}
     try:
-        ns = _namespace("solution")
+        value = fn(*args, **kwargs)
+    except BaseException as e:  # SystemExit included: the judge decides what an exception means
+        return {"raised": type(e).__name__}
+    try:
+        return {"v": plain_encode(value)}
+    except (PlainError, ValueError, RecursionError) as e:  # e.g. an int too long for str()
+        return {"bad": str(e)[:80]}
+
+
+def _serve_child(job, req_fd, ans_fd):
+    """One call test's candidate process: run the code, then answer requests, one line each."""
+    _child_common(job, None, None, (req_fd, ans_fd))
+    ns = {"__name__": "solution", "__builtins__": __builtins__}
+    failed = None
+    try:
         exec(compile(job["code"], "<solution>", "exec"), ns)
-        exec(compile(test["src"], "<test>", "exec"), ns)
-    except BaseException:
-        os._exit(1)
-    os._exit(test["exit_code"])
+    except BaseException as e:  # exiting at import is a failure of every call, never a pass
+        failed = type(e).__name__
+    buf = b""
+    while True:
+        while b"\n" not in buf:
+            chunk = os.read(req_fd, 1 << 16)
+            if not chunk:
+                os._exit(0)
+            buf += chunk
+        line, buf = buf.split(b"\n", 1)
+        try:
+            out = json.dumps(_answer(ns, failed, json.loads(line)))
+        except BaseException as e:
+            out = json.dumps({"bad": type(e).__name__})
+        data = out.encode() + b"\n"
+        while data:
+            data = data[os.write(ans_fd, data):]
 
 
 def _stdio_child(job, stdin_fd, out_w):
     import io
-    _child_common(job, stdin_fd, out_w, None)
+    _child_common(job, stdin_fd, out_w)
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     status = 0
     try:
-        exec(compile(job["code"], "<solution>", "exec"), _namespace("__main__"))
+        exec(compile(job["code"], "<solution>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     except SystemExit as e:
         status = 0 if e.code in (None, 0) else 1
     except BaseException:
@@ -227,8 +235,7 @@ def _pidfd(pid):
         return None
 
 
-def _run(target, args, read_fd, close_fds, deadline, cap):
-    """Fork ``target(*args)``, read ``read_fd`` until EOF/cap/deadline; return (status, bytes, reaper)."""
+def _fork(target, args, close_fds):
     pid = os.fork()
     if pid == 0:
         try:
@@ -241,20 +248,28 @@ def _run(target, args, read_fd, close_fds, deadline, cap):
         pass
     for fd in close_fds:
         os.close(fd)
-    pidfd = _pidfd(pid)
-    reaper, buf, status, eof = _Reaper(pid), bytearray(), "ok", read_fd is None
+    return pid
+
+
+def _run_stdio(job, stdin_text, deadline):
+    """Run the code as __main__ on ``stdin_text``; return (status, stdout bytes, exit code)."""
+    r, w = os.pipe()
+    in_fd = _stdin_fd(stdin_text)
+    pid = _fork(_stdio_child, (job, in_fd, w), [w, in_fd])
+    pidfd, cap = _pidfd(pid), job["max_output_bytes"]
+    reaper, buf, status, eof = _Reaper(pid), bytearray(), "ok", False
     while True:
         now = time.monotonic()
         if now >= deadline:
             status = "timeout"
             break
-        fds = [0] + ([] if eof else [read_fd]) + ([pidfd] if pidfd is not None else [])
+        fds = [0] + ([] if eof else [r]) + ([pidfd] if pidfd is not None else [])
         wait = 0.05 if pidfd is not None or not eof else 0.002  # without a pidfd, poll for the exit
         ready = select.select(fds, [], [], min(deadline - now, wait))[0]
         if 0 in ready:
             _check_lifeline()
-        if not eof and read_fd in ready:
-            chunk = os.read(read_fd, 65536)
+        if not eof and r in ready:
+            chunk = os.read(r, 65536)
             eof = not chunk
             buf += chunk
             if len(buf) > cap:
@@ -262,21 +277,16 @@ def _run(target, args, read_fd, close_fds, deadline, cap):
                 break
             continue
         reaper.reap()
-        if reaper.exited:
-            if pidfd is not None:
-                os.close(pidfd)
-                pidfd = None
-            if eof or read_fd not in select.select([read_fd], [], [], 0)[0]:
-                break  # child gone and nothing more to read (a grandchild may hold the pipe: not waited for)
-    if pidfd is not None:
-        os.close(pidfd)
-    if read_fd is not None:
-        os.close(read_fd)
+        if reaper.exited and (eof or r not in select.select([r], [], [], 0)[0]):
+            break  # gone and nothing more to read (a grandchild may hold the pipe: not waited for)
+    for fd in [r] + ([pidfd] if pidfd is not None else []):
+        os.close(fd)
     try:
         os.killpg(pid, signal.SIGKILL)
     except OSError:
         pass
-    return status, bytes(buf), reaper
+    _sweep(_STATE["kill_all"], reaper)
+    return status, bytes(buf), reaper.exit_code
 
 
 def _children():
@@ -327,27 +337,177 @@ def _stdin_fd(text):
     return fd
 
 
-def _run_test(job, i, test, deadline):
-    cap = job["max_output_bytes"]
-    if test["kind"] == "program":
-        status, _, reaper = _run(_program_child, (job, test, None), None, [], deadline, cap)
-        return {"i": i, "status": status, "exit": reaper.exit_code}, reaper
-    r, w = os.pipe()
-    if test["kind"] == "stdio":
-        in_fd = _stdin_fd(test["stdin"])
-        status, out, reaper = _run(_stdio_child, (job, in_fd, w), r, [w, in_fd], deadline, cap)
-        return {"i": i, "status": status, "exit": reaper.exit_code,
-                "stdout": out.decode("utf-8", "replace")}, reaper
-    status, out, reaper = _run(_probe_child, (job, test["exprs"], w), r, [w], deadline, cap)
-    return {"i": i, "status": status, "exit": reaper.exit_code, "payload": out.decode("utf-8", "replace")}, reaper
-
-
 _STATE = {"kill_all": False}
 
 
 def _emit(obj):
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
+
+
+class _Channel:
+    """The judge's channel as a raw descriptor (a socket, read and written with os.read/os.write)."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def fileno(self):
+        return self.fd
+
+    def sendall(self, data):
+        while data:
+            data = data[os.write(self.fd, data):]
+
+    def recv(self, n):
+        return os.read(self.fd, n)
+
+
+class _Relay:
+    """One test at a time: the candidate process of the current call test, its deadline, its answers."""
+
+    def __init__(self, job, chan, end):
+        self.job, self.chan, self.end = job, chan, end
+        self.i, self.pid, self.req, self.ans, self.reaper = None, None, None, None, None
+        self.deadline, self.status, self.buf = 0.0, "ok", b""
+
+    def send(self, seq, line):
+        self.chan.sendall(b"%d " % seq + line + b"\n")
+
+    def start(self, msg):
+        self.finish()
+        self.i, self.status, self.buf = msg["i"], "ok", b""
+        self.deadline = min(time.monotonic() + float(msg["budget"]), self.end)
+        _emit({"start": self.i})
+        if msg["kind"] == "stdio":
+            status, out, code = _run_stdio(self.job, str(msg.get("stdin", "")), self.deadline)
+            self.status = status
+            self.send(msg["seq"], json.dumps({"stdout": out.decode("utf-8", "replace"), "exit": code,
+                                              "status": status}).encode())
+            return
+        req_r, self.req = os.pipe()  # plain pipes: the socket module costs the sandbox's start-up time
+        self.ans, ans_w = os.pipe()
+        self.pid = _fork(_serve_child, (self.job, req_r, ans_w), [req_r, ans_w])
+        os.set_blocking(self.req, False)
+        self.reaper = _Reaper(self.pid)
+        # a call test's start carries the names the test needs (resolving them is its first request) and
+        # may carry the test's one call, sent at once so that its answer is ready when the judge asks
+        requests = [(msg["seq"], json.dumps({"op": "resolve", "names": msg.get("names", [])}).encode())]
+        if msg.get("first"):
+            requests.append((msg["first"]["seq"], json.dumps(msg["first"]).encode()))
+        self.call(requests)
+
+    def kill(self, status):
+        if self.pid is not None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            pidfd = _pidfd(self.pid)
+            if pidfd is not None:  # wake the moment it is gone: the sweep after it then need not poll
+                select.select([pidfd], [], [], 1.0)
+                os.close(pidfd)
+            os.close(self.req)
+            os.close(self.ans)
+            self.pid = self.req = self.ans = None
+            if self.status == "ok":
+                self.status = status
+
+    def call(self, requests):
+        """Forward requests ``[(seq, line), ...]`` at once; forward one answer line per request, in
+        order, each as it comes, until the candidate exits or the deadline passes (then every request
+        still unanswered is answered with that)."""
+        if self.pid is None:
+            for seq, _ in requests:
+                self.send(seq, json.dumps({"h": self.status if self.status != "ok" else "died"}).encode())
+            return
+        pidfd = _pidfd(self.pid)
+        try:
+            data = b"".join(line + b"\n" for _, line in requests)
+            while data:  # a candidate that stops reading costs it its deadline, not ours
+                if not select.select([], [self.req], [], max(0.0, self.deadline - time.monotonic()))[1]:
+                    raise TimeoutError
+                data = data[os.write(self.req, data):]
+            for k, (seq, _) in enumerate(requests):
+                why = self._answer(seq, pidfd)
+                if why:
+                    self.kill(why)
+                    for later, _ in requests[k:]:
+                        self.send(later, json.dumps({"h": why}).encode())
+                    return
+        except OSError:  # the candidate closed its end or stopped reading until the deadline
+            why = "timeout" if time.monotonic() >= self.deadline else "died"
+            self.kill(why)
+            for seq, _ in requests:  # the judge drops answers to requests it no longer waits for
+                self.send(seq, json.dumps({"h": why}).encode())
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+    def _answer(self, seq, pidfd):
+        """Wait for one answer line and forward it; return why not (timeout, died, output_limit) or None."""
+        cap = self.job["max_output_bytes"]
+        while b"\n" not in self.buf:
+            now = time.monotonic()
+            if now >= self.deadline:
+                return "timeout"
+            fds = [0, self.ans] + ([pidfd] if pidfd is not None else [])
+            ready = select.select(fds, [], [], min(self.deadline - now, 0.05))[0]
+            if 0 in ready:
+                _check_lifeline()
+            if self.ans in ready:
+                chunk = os.read(self.ans, 1 << 16)
+                if not chunk:
+                    return "died"
+                self.buf += chunk
+                if len(self.buf) > cap and b"\n" not in self.buf[:cap + 1]:
+                    return "output_limit"
+            elif pidfd is None or pidfd in ready:
+                self.reaper.reap()
+                if self.reaper.exited and self.ans not in select.select([self.ans], [], [], 0)[0]:
+                    return "died"
+        answer, self.buf = self.buf.split(b"\n", 1)
+        self.send(seq, answer)
+        return None
+
+    def finish(self):
+        if self.i is None:
+            return
+        self.kill("ok")
+        _sweep(_STATE["kill_all"], self.reaper)
+        _emit({"i": self.i, "status": self.status})
+        self.i, self.reaper = None, None
+
+    def idle(self):
+        """Between requests: the candidate's time runs out at its deadline even while the judge thinks."""
+        if self.pid is not None and time.monotonic() >= self.deadline:
+            self.kill("timeout")
+
+
+def _serve(job, relay):
+    """Read the judge's requests until it says bye or goes away."""
+    buf, chan = b"", relay.chan
+    while True:
+        wait = max(0.0, relay.deadline - time.monotonic()) if relay.pid is not None else None
+        ready = select.select([0, chan], [], [], wait)[0]
+        if 0 in ready:
+            _check_lifeline()
+        relay.idle()
+        if chan not in ready:
+            continue
+        chunk = chan.recv(1 << 20)
+        if not chunk:
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            msg = json.loads(line)
+            op = msg.get("op")
+            if op == "start":
+                relay.start(msg)
+            elif op == "call":
+                relay.call([(msg["seq"], line)])
+            elif op == "bye":
+                return
 
 
 def _read_job():
@@ -368,20 +528,17 @@ def main():
     _harden_self()
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     pid1 = os.getpid() == 1
-    _STATE["kill_all"] = kill_all = job["kill_all"] or pid1
+    _STATE["kill_all"] = job["kill_all"] or pid1
     _STATE["workdir"] = job.get("workdir")
-    end = time.monotonic() + job["total_timeout_s"]
+    chan = _Channel(job["channel_fd"])
+    relay = _Relay(job, chan, time.monotonic() + job["total_timeout_s"])
     _emit({"ready": 1, "pid1": pid1, "python": list(sys.version_info[:3])})
-    for i, test in enumerate(job["tests"]):
-        deadline = min(time.monotonic() + job["test_timeout_s"], end)
-        if deadline <= time.monotonic():
-            _emit({"i": i, "status": "timeout", "budget": 1})
-            continue
-        _emit({"start": i})
-        rec, reaper = _run_test(job, i, test, deadline)
-        _sweep(kill_all, reaper)
-        rec["exit"] = reaper.exit_code
-        _emit(rec)
+    chan.sendall(b'0 {"ready": 1}\n')  # the judge starts the sample's clock now, as we do
+    try:
+        _serve(job, relay)
+    except OSError:  # the judge went away mid-answer
+        pass
+    relay.finish()
     _emit({"done": 1})
 
 

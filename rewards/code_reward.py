@@ -1,18 +1,19 @@
-"""The built-in ``code`` reward: run the completion's code against the row's tests in the sandbox.
+"""The built-in ``code`` reward: run the completion's code in the sandbox, the row's tests in the judge.
 
 score = passed tests / scored tests. The code is the last ```python (or untagged) fenced block when
-there is one, else the whole completion. Tests that never refer to the candidate are left out of the
-score (``vacuous_tests``). Infrastructure failures (sandbox did not start) score *skip*; everything the
-candidate can cause (crash, timeout, killed harness, garbage records) scores as failed tests.
+there is one, else the whole completion (found in linear time: format_reward.code_blocks). Tests that
+never refer to the candidate are left out of the score (``vacuous_tests``). Infrastructure failures
+(sandbox did not start) score *skip*; everything the candidate can cause (crash, timeout, killed
+harness, garbage answers) scores as failed tests. One call takes at most ``total_budget_s``, running
+and judging together: the parent kills the sandbox and the judge's child by then.
 """
 from __future__ import annotations
 
 import inspect
 import os
-import secrets
 
 from rewards.api import RewardResult, as_spec, skip
-from rewards.code_tests import TestFormatError, compile_tests, judge, warn_program_tests
+from rewards.code_tests import TestFormatError, compile_tests, warn_unsupported_tests
 from rewards.format_reward import code_blocks
 from rewards.sandbox import Limits, SandboxError, resolve_mode, run_tests, wall_bound_s
 
@@ -46,36 +47,37 @@ def code_reward(*, completion: str, tests, sandbox: str = "auto", test_timeout_s
     ``check(candidate)``, and/or {"input","output"} dicts).
 
     extras: ``passed``, ``total`` (scored tests), ``sandbox`` (mode in force), ``outcomes`` (per scored
-    test), ``program_tests`` (scored tests judged by exit status, weaker), ``vacuous_tests`` (left out).
+    test), ``program_tests`` (scored residual programs), ``vacuous_tests`` (left out),
+    ``unsupported_tests`` (scored, always failed: see code_tests).
     """
     if not tests:
         return skip("no tests")
     if isinstance(tests, (str, dict)):
         tests = [tests]
     try:
-        compiled = [c for c in compile_tests(tests) if not c["vacuous"]]
-        n_vacuous = len(compile_tests(tests)) - len(compiled)
+        every = compile_tests(tests)
     except TestFormatError as e:
         return skip(f"bad test: {e}")
+    compiled = [c for c in every if not c["vacuous"]]
+    n_vacuous = len(every) - len(compiled)
     if not compiled:
         return skip("no test refers to the candidate", vacuous_tests=n_vacuous)
-    n_program = sum(bool(c.get("program")) for c in compiled)
-    if n_program:
-        warn_program_tests(n_program, len(compiled), "of one row")
-    # A program test passes only on this exit status, drawn per call (never 0, 1 or 2).
-    exits = [3 + secrets.randbelow(250) if c.get("program") else None for c in compiled]
-    harness_tests = [dict(c["sandbox"], exit_code=k) if k else c["sandbox"] for c, k in zip(compiled, exits)]
+    n_unsupported = sum(bool(c["unsupported"]) for c in compiled)
+    if n_unsupported:
+        warn_unsupported_tests(n_unsupported, len(compiled), "of one row")
+    runnable = [c["judge"] for c in compiled if not c["unsupported"]]
     limits = _limits(test_timeout_s, total_timeout_s, memory_mb, max_procs, tmp_mb, site_packages)
     try:
         info = resolve_mode(sandbox)
-        records = run_tests(extract_code(completion), harness_tests, limits, info)
+        ran = iter(run_tests(extract_code(completion), runnable, limits, info) if runnable else [])
     except (SandboxError, OSError) as e:
         return skip(f"sandbox failure: {e}"[:300])
-    verdicts = [judge(c, r, k) for c, r, k in zip(compiled, records, exits)]
+    verdicts = [(False, "unsupported") if c["unsupported"] else next(ran) for c in compiled]
     passed = sum(ok for ok, _ in verdicts)
     return RewardResult(passed / len(compiled), {
         "passed": passed, "total": len(compiled), "sandbox": info.mode, "outcomes": [why for _, why in verdicts],
-        "program_tests": n_program, "vacuous_tests": n_vacuous})
+        "program_tests": sum(bool(c.get("program")) for c in compiled), "vacuous_tests": n_vacuous,
+        "unsupported_tests": n_unsupported})
 
 
 def total_budget_s(kwargs: dict | None = None) -> float:

@@ -1,113 +1,134 @@
-"""Split a row's tests into what runs in the sandbox (probes) and what stays outside (the verdict).
+"""Compile a row's tests into what the judge runs: test code, and the names it needs from the candidate.
 
-An assert test such as ``assert abs(f(x) - 3.5) < 1e-6`` becomes the probe ``f(x)`` (evaluated in the
-sandbox, its value serialised as plain data) and the template ``abs(__p0 - 3.5) < 1e-6`` (evaluated
-here, in the parent, on the decoded value). Expected values never enter the sandbox and the decoded
-values are plain builtins, so neither a lying ``__eq__`` nor a forged record can pass a test unless
-it carries the right value. A subexpression becomes a probe when it needs a name that is not a Python
-builtin or one of ``PARENT_MODULES`` (i.e. something the candidate defines); comprehensions and lambdas
-that need such names are probed whole. An assert with no probe never uses the candidate ("vacuous"):
-it is left out of the score.
+Every test runs in the judge process (``_judge.py``), outside the sandbox, with the judge's own
+builtins; each name it needs that the candidate defines (a free name that is neither a builtin nor one
+of ``PARENT_MODULES``) is bound to what the candidate reports for it: a plain value, or a proxy that
+calls the candidate in the sandbox with plain-data arguments and returns its plain-data answer. So
+``assert f(x) == y``, ``assert all([f(a) == b for a, b in cases])`` and HumanEval's
+``check(candidate)`` programs all compare plain values in the judge: an object with a lying ``__eq__``
+never reaches it, a module-level ``range`` or ``len`` of the candidate's never changes what the test's
+names mean, and no pass status lives where the candidate runs.
 
-Tests that are more than one assert statement (the HumanEval ``check(candidate)`` form, or several
-statements) are split by program_tests into standalone asserts, judged as above, plus a residual
-program for what cannot be split. A residual program passes only when its process exits with a status
-drawn per call by the parent and observed by the harness, never on anything the candidate's process
-writes; it is still weaker (a candidate that inspects its own process can find the status), so such
-tests are counted (``extras["program_tests"]``) and warned about once.
-stdin/stdout tests ({"input": ..., "output": ...}) send only the input; the output is compared here
-after normalising line endings and trailing whitespace.
+Program tests (more than one assert statement, e.g. HumanEval's ``check``) are split by program_tests
+into standalone asserts, one test each (a problem scores the fraction of its asserts that pass), plus one
+residual program for what cannot be split; all run in the judge alike. A test that never refers to the
+candidate is *vacuous* and left out of the score. A test that needs the candidate as more than a value
+or a function to call (``f.__name__``, ``inspect.getsource(f)``) cannot run across the channel: it is
+*unsupported*, reported when the tests are compiled (``audit_tests`` counts and warns at load time) and
+scored as a failed test, never judged with a weaker boundary. stdin/stdout tests ({"input", "output"})
+send only the input into the sandbox; the output is compared in the judge after normalising line endings
+and trailing whitespace.
 """
 from __future__ import annotations
 
 import ast
 import builtins
 import functools
-import importlib
 import json
 import warnings
 from typing import Any
 
-from rewards.program_tests import split_program
+from rewards._plain import plain_encode
+from rewards.program_tests import free_names, split_program
 
 PARENT_MODULES = ("math", "cmath", "re", "string", "itertools", "functools", "collections", "heapq",
                   "bisect", "fractions", "decimal", "statistics", "operator")
 _BUILTIN_NAMES = set(dir(builtins))
-_SCOPED = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+# names whose use means the test looks at the candidate's code rather than calling it
+_INTROSPECTION = {"inspect", "dis", "getsource", "__code__", "__globals__", "__closure__", "__defaults__",
+                  "co_code", "__wrapped__"}
 
 
 class TestFormatError(ValueError):
     """A test that is neither an assert/exec string nor an {"input", "output"} dict."""
 
 
-def _names(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+def candidate_names(tree: ast.AST) -> list[str]:
+    """Names the test reads and neither binds nor finds among the builtins or PARENT_MODULES, plus the
+    argument of a top-level ``check(name)`` call (HumanEval: the entry point, even one named like a
+    builtin): what the judge asks the candidate for."""
+    names = free_names(tree) - set(PARENT_MODULES)
+    for stmt in getattr(tree, "body", []):
+        if (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Name)
+                and stmt.value.func.id == "check" and len(stmt.value.args) == 1
+                and isinstance(stmt.value.args[0], ast.Name)):
+            names.add(stmt.value.args[0].id)
+    return sorted(names)
 
 
-def _needs_candidate(node: ast.AST) -> bool:
-    return any(n not in _BUILTIN_NAMES and n not in PARENT_MODULES for n in _names(node))
+def _introspects(tree: ast.AST, names: list[str]) -> bool:
+    """True when the test reads an attribute of a candidate name or uses introspection."""
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and (n.attr in _INTROSPECTION or
+                                             (isinstance(n.value, ast.Name) and n.value.id in names)):
+            return True
+        if isinstance(n, ast.Name) and n.id in _INTROSPECTION:
+            return True
+        if isinstance(n, (ast.Import, ast.ImportFrom)) and any(
+                a.name.split(".")[0] in _INTROSPECTION for a in n.names):
+            return True
+    return False
 
 
-class _Splitter(ast.NodeTransformer):
-    def __init__(self):
-        self.probes: list[tuple[str, list[str]]] = []
+def first_call(tree: ast.Module, names: list[str]) -> dict | None:
+    """The one call a single-assert test makes to the candidate when its arguments are literals
+    (``assert add(2, 3) == 5``), as a plain-data request: the judge sends it with the test's start, so
+    its answer is ready when the test asks (the candidate's process runs one test only, so calling it
+    early changes nothing the test can see). None for anything else."""
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+        return None
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in names]
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id in names]
+    if len(uses) != 1 or len(calls) != 1 or any(isinstance(n, (ast.Lambda, ast.comprehension)) for n in ast.walk(tree)):
+        return None
+    call = calls[0]
+    try:
+        args = [ast.literal_eval(a) for a in call.args]  # a *starred argument is not a literal
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None}
+        if len(kwargs) != len(call.keywords):
+            return None
+        return {"name": call.func.id, "args": plain_encode(args), "kwargs": plain_encode(kwargs)}
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # PlainError is a ValueError
+        return None
 
-    def _probe(self, node):
-        src = ast.unparse(node)
-        self.probes.append((src, sorted(n for n in _names(node) if n in _BUILTIN_NAMES)))
-        return ast.copy_location(ast.Name(id=f"__p{len(self.probes) - 1}", ctx=ast.Load()), node)
 
-    def visit(self, node):
-        if not isinstance(node, ast.expr) or not _needs_candidate(node):
-            return node
-        if isinstance(node, (ast.Name, *_SCOPED)):
-            return self._probe(node)
-        if isinstance(node, ast.Call):
-            func = node.func
-            # A call whose callee is the candidate's (f(x), obj.method(x)) is evaluated in the sandbox.
-            if _needs_candidate(func):
-                return self._probe(node)
-        return self.generic_visit(node)
-
-
-def _compile_assert(src: str, label: str, tree: ast.Module | None = None) -> dict:
-    """One ``assert`` statement -> probes for the sandbox + the template judged here."""
-    tree = tree or ast.parse(src)
-    splitter = _Splitter()
-    template = splitter.visit(tree.body[0].test)
-    expr = ast.Expression(body=template)
-    ast.fix_missing_locations(expr)
-    # No probe: the verdict does not depend on anything the candidate defines (e.g. ``assert True``).
-    return {"sandbox": {"kind": "probe", "exprs": splitter.probes}, "template": compile(expr, label, "eval"),
-            "expected": None, "vacuous": not splitter.probes}
+def _compile_code(src: str, label: str, **flags) -> dict:
+    tree = ast.parse(src)
+    names = candidate_names(tree)
+    compile(tree, label, "exec")  # a syntax error the parser let through shows here, not in the judge
+    judge = {"kind": "call", "src": src, "names": names}
+    first = first_call(tree, names)
+    if first:
+        judge["first"] = first
+    return {"judge": judge, "vacuous": not names, "unsupported": bool(names) and _introspects(tree, names), **flags}
 
 
 def compile_test(test: Any, index: int) -> list[dict]:
-    """One row test -> compiled tests: {"sandbox": harness test, "template"|"expected", "vacuous",
-    "program", "split"}. An assert string gives one; a program gives one per standalone assert plus
-    one residual program (see program_tests); an {"input", "output"} dict gives one stdio test."""
+    """One row test -> compiled tests: {"judge": what the judge runs, "vacuous", "unsupported",
+    "program", "split"}. An assert string gives one; a program gives one per standalone assert plus one
+    residual program (see program_tests); an {"input", "output"} dict gives one stdio test."""
     if isinstance(test, dict):
         if "input" not in test or "output" not in test:
             raise TestFormatError(f"test {index}: a dict test needs 'input' and 'output' keys, got {sorted(test)}")
-        return [{"sandbox": {"kind": "stdio", "stdin": str(test["input"])}, "template": None,
-                 "expected": str(test["output"]), "vacuous": False}]
+        return [{"judge": {"kind": "stdio", "stdin": str(test["input"]), "expected": str(test["output"])},
+                 "vacuous": False, "unsupported": False}]
     if not isinstance(test, str):
         raise TestFormatError(f"test {index}: expected an assert string or an input/output dict, "
                               f"got {type(test).__name__}")
     try:
         tree = ast.parse(test.strip())
         if len(tree.body) == 1 and isinstance(tree.body[0], ast.Assert):
-            return [_compile_assert(test, f"<test {index}>", tree)]
+            return [_compile_code(test.strip(), f"<test {index}>")]
         split = split_program(test.strip(), PARENT_MODULES)
+        out = [_compile_code(a, f"<test {index}.{k}>", split=True) for k, a in enumerate(split.asserts)]
+        if split.residual is not None:
+            out.append(_compile_code(split.residual, f"<test {index}>", program=True))
     except SyntaxError as e:
         raise TestFormatError(f"test {index}: syntax error in {test[:200]!r}: {e.msg}") from e
-    out = [dict(_compile_assert(a, f"<test {index}.{k}>"), split=True) for k, a in enumerate(split.asserts)]
-    if split.residual is not None:
-        out.append({"sandbox": {"kind": "program", "src": split.residual}, "template": None, "expected": None,
-                    "vacuous": split.residual_vacuous, "program": True})
     if not out:  # nothing that can fail (e.g. only imports): one vacuous test, left out of the score
-        out.append({"sandbox": {"kind": "program", "src": test}, "template": None, "expected": None,
-                    "vacuous": True, "program": True})
+        out.append({"judge": {"kind": "call", "src": test, "names": []}, "vacuous": True, "unsupported": False,
+                    "program": True})
     return out
 
 
@@ -127,11 +148,12 @@ def compile_tests(tests: list) -> tuple:
 
 def audit_tests(rows) -> dict:
     """Count a dataset's tests by how they are judged, when it is loaded: ``tests`` (row tests),
-    ``scored`` (compiled tests that count), ``probe``, ``stdio``, ``program`` (judged by an exit
-    status inside the candidate's process: weaker), ``split`` (asserts taken out of programs),
-    ``vacuous`` (never refer to the candidate: left out of the score), ``bad`` (rows whose tests do not
-    compile). Warns once when there are program tests."""
-    counts = dict.fromkeys(("rows", "tests", "scored", "probe", "stdio", "program", "split", "vacuous", "bad"), 0)
+    ``scored`` (compiled tests that count), ``assert``, ``stdio``, ``program`` (residual programs),
+    ``split`` (asserts taken out of programs), ``vacuous`` (never refer to the candidate: left out of the
+    score), ``unsupported`` (need the candidate as more than values and calls: they always fail),
+    ``bad`` (rows whose tests do not compile). Warns once when some tests are unsupported."""
+    keys = ("rows", "tests", "scored", "assert", "stdio", "program", "split", "vacuous", "unsupported", "bad")
+    counts = dict.fromkeys(keys, 0)
     for row in rows:
         tests = row.get("tests") if isinstance(row, dict) else row
         if not tests:
@@ -149,110 +171,24 @@ def audit_tests(rows) -> dict:
                 counts["vacuous"] += 1
                 continue
             counts["scored"] += 1
-            counts[c["sandbox"]["kind"]] += 1
+            counts["unsupported"] += bool(c.get("unsupported"))
+            kind = "stdio" if c["judge"]["kind"] == "stdio" else "program" if c.get("program") else "assert"
+            counts[kind] += 1
             counts["split"] += bool(c.get("split"))
-    if counts["program"]:
-        warn_program_tests(counts["program"], counts["scored"])
+    if counts["unsupported"]:
+        warn_unsupported_tests(counts["unsupported"], counts["scored"])
     return counts
 
 
 _WARNED: set = set()
 
 
-def warn_program_tests(n_program: int, n_scored: int, where: str = "in this data") -> None:
-    """Say once per process that some tests are programs judged inside the candidate's process."""
-    if "program" in _WARNED:
+def warn_unsupported_tests(n: int, n_scored: int, where: str = "in this data") -> None:
+    """Say once per process, loudly, that some tests cannot be judged across the channel."""
+    if "unsupported" in _WARNED:
         return
-    _WARNED.add("program")
-    msg = (f"code reward: {n_program} of {n_scored} tests {where} are programs that could not be split into "
-           "assert probes; they pass on an exit status chosen per call, observed by the harness, but a hostile "
-           "completion that inspects its own process can still forge it (counted in extras['program_tests'] "
-           "and RewardWorker.stats()['reward/program_tests']; see docs/rewards.md)")
-    warnings.warn(msg, stacklevel=2)
-
-
-def decode(v: Any, depth: int = 0) -> Any:
-    """Inverse of the harness's ``_encode``; builds only plain builtins. Raises ValueError if malformed."""
-    if depth > 70 or not isinstance(v, list) or not v:
-        raise ValueError("malformed value")
-    tag = v[0]
-    if tag == "n":
-        return None
-    if tag == "b" and isinstance(v[1], bool):
-        return v[1]
-    if tag == "i":
-        return int(v[1])
-    if tag == "f":
-        return float(v[1])
-    if tag == "c":
-        return complex(float(v[1]), float(v[2]))
-    if tag == "s" and isinstance(v[1], str):
-        return v[1]
-    if tag == "y":
-        return bytes.fromhex(v[1])
-    if tag in ("l", "t", "S", "F"):
-        items = [decode(x, depth + 1) for x in v[1]]
-        return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
-    if tag == "d":
-        return {decode(k, depth + 1): decode(x, depth + 1) for k, x in v[1]}
-    raise ValueError(f"malformed value tag {tag!r}")
-
-
-def _normalize_output(text: str) -> list[str]:
-    lines = [ln.rstrip() for ln in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
-
-
-def _parent_scope() -> dict:
-    return {m: importlib.import_module(m) for m in PARENT_MODULES}
-
-
-def _judge_values(compiled: dict, record: dict) -> tuple[bool, str]:
-    """Probe test: parse the child's payload (candidate-written bytes) and evaluate the template."""
-    try:
-        payload = json.loads(record.get("payload") or "")
-    except (ValueError, TypeError, RecursionError):
-        return False, "bad_record"
-    if not isinstance(payload, dict):
-        return False, "bad_record"
-    if "error" in payload:
-        return False, f"raised:{str(payload['error'])[:40]}"
-    values = payload.get("values")
-    if not isinstance(values, list) or len(values) != len(compiled["sandbox"]["exprs"]):
-        return False, "bad_record"
-    try:
-        decoded = [decode(v) for v in values]
-    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError):
-        return False, "bad_value"
-    scope = _parent_scope()
-    scope.update({f"__p{i}": v for i, v in enumerate(decoded)})
-    try:
-        ok = bool(eval(compiled["template"], {"__builtins__": builtins}, scope))
-    except Exception as e:
-        return False, f"assert_raised:{type(e).__name__}"
-    return ok, "ok" if ok else "assert_failed"
-
-
-def judge(compiled: dict, record: dict | None, exit_code: int | None = None) -> tuple[bool, str]:
-    """Verdict for one test from the harness record (None: the harness died first). Runs in the parent.
-    ``exit_code``: the status a program test must exit with (drawn per call). Whatever the record holds,
-    the answer is a verdict, never an exception."""
-    try:
-        if not isinstance(record, dict):
-            return False, "no_record"
-        if record.get("status") != "ok":
-            return False, str(record.get("status"))[:40]
-        kind = compiled["sandbox"]["kind"]
-        if kind == "stdio":
-            if record.get("exit") != 0:
-                return False, "nonzero_exit"
-            ok = _normalize_output(str(record.get("stdout", ""))) == _normalize_output(compiled["expected"])
-            return ok, "ok" if ok else "wrong_output"
-        if kind == "program":
-            ok = exit_code is not None and record.get("exit") == exit_code
-            return ok, "ok" if ok else "program_failed"
-        return _judge_values(compiled, record)
-    except Exception as e:  # a record we did not foresee is still only a failed test
-        return False, f"bad_record:{type(e).__name__}"
+    _WARNED.add("unsupported")
+    warnings.warn(f"code reward: {n} of {n_scored} tests {where} use the candidate as more than values and "
+                  "calls (attributes of its names, introspection of its code); the judge cannot run them "
+                  "across the plain-data channel, so they always fail (counted in extras['unsupported_tests'] "
+                  "and RewardWorker.stats()['reward/unsupported_tests']; see docs/rewards.md)", stacklevel=2)

@@ -9,13 +9,12 @@ form::
         assert True, "..."
     check(entry_point)
 
-Run whole, its verdict would come from inside the candidate's process (forgeable). ``split_program``
-turns every ``assert`` that stands alone into its own assert test (``candidate`` renamed to the entry
-point, module-level immutable constants inlined), which code_tests then judges outside the sandbox like
-any assert-form test. An assert stands alone when it uses no name the program binds (other than those
-constants and ``import math``-style imports of the modules the parent evaluates with) and binds nothing
-itself. What is left (loops, helper variables, statements with side effects) stays one *residual*
-program, run so that only its exit status counts; those are weaker and counted separately.
+Run whole it would be one test, all or nothing. ``split_program`` turns every ``assert`` that stands
+alone into its own assert test (``candidate`` renamed to the entry point, module-level immutable constants
+inlined), so a problem scores the fraction of its asserts that pass. An assert stands alone when it uses
+no name the program binds (other than those constants and ``import math``-style imports of the modules
+the judge preloads) and binds nothing itself. What is left (loops, helper variables, statements with
+side effects) stays one *residual* program. All of them run in the judge, outside the sandbox, alike.
 
 A test is *vacuous* when nothing in it refers to a name the candidate defines (``assert True``,
 ``assert 1 == 1``): it cannot tell a right answer from a wrong one, so it is left out of the score.

@@ -1,4 +1,10 @@
-"""Run a program and its test probes in a sandbox; return the trusted harness's records.
+"""Run a program in a sandbox against tests run by the judge; return the judge's verdicts.
+
+The candidate runs in the sandbox (one process per test, started by the trusted harness); the test code
+runs in the judge (``rewards/judge.py``), outside it, and calls the candidate through a channel that
+carries plain data only. This module starts both for one sample, supervises them, and enforces the
+deadlines from outside: the verdicts come from the judge, the harness's records only tell the parent
+which test is running.
 
 Modes, strongest available first (``mode="auto"``):
 - ``bwrap``: bubblewrap; a new root holding only the interpreter, its standard library, its shared
@@ -28,17 +34,21 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
+from rewards import judge as judge_proc
 from rewards import sandbox_uids
+from rewards.sandbox_leftovers import remove_leftovers
 from rewards.sandbox_fs import InterpreterError, InterpreterInfo, bwrap_binds, interpreter_info
 from rewards.sandbox_uids import UID_BASE, UID_COUNT, Slot, kill_uid  # noqa: F401 (re-exported)
 
 _LOG = logging.getLogger("rewards.sandbox")
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_harness.py"), "rb") as _f:
-    _HARNESS_SRC = _f.read()
-# The harness arrives on stdin (length-prefixed, then the job line): nothing of the host file system needs
-# to be visible for it, and the sandbox's command line stays short.
-_BOOT = ("import os\n"
+# the harness's source: the plain-data format first (shared with the judge), then the harness itself
+_HARNESS_SRC = judge_proc._source("_plain.py") + b"\n" + judge_proc._source("_harness.py")
+# The harness arrives on stdin, compiled (a marshalled code object, length-prefixed, then the job line):
+# nothing of the host file system needs to be visible for it, the sandbox's command line stays short, and
+# a sandbox start unmarshals ~700 lines instead of compiling them (100 times cheaper).
+_BOOT = ("import marshal, os\n"
          "def r(n):\n"
          "    b = b''\n"
          "    while len(b) < n:\n"
@@ -47,7 +57,9 @@ _BOOT = ("import os\n"
          "            raise SystemExit('harness: truncated input')\n"
          "        b += c\n"
          "    return b\n"
-         "exec(compile(r(int(r(10))), '<ebpo-harness>', 'exec'), {'__name__': '__main__'})\n")
+         "exec(marshal.loads(r(int(r(10)))), {'__name__': '__main__'})\n")
+_COMPILE = ("import marshal, sys\n"
+            "sys.stdout.buffer.write(marshal.dumps(compile(sys.stdin.buffer.read(), '<ebpo-harness>', 'exec')))\n")
 SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"}
 TEST_GRACE_S = 2.0   # the parent kills the sandbox when a test runs this much past its deadline
@@ -87,6 +99,21 @@ class SandboxInfo:
 class SandboxError(RuntimeError):
     """Infrastructure failure (sandbox did not start, unusable interpreter or uid range): score "skip",
     or a start-up error when raised by ``resolve_mode``."""
+
+
+@functools.lru_cache(maxsize=None)
+def harness_code(python: str) -> bytes:
+    """The harness compiled by the sandbox's own interpreter (the marshal format is that interpreter's),
+    once per process. Our own source, compiled outside any sandbox: nothing of a candidate is involved."""
+    try:
+        out = subprocess.run([python, "-I", "-B", "-c", _COMPILE], input=_HARNESS_SRC, capture_output=True,
+                             timeout=60, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}, cwd="/")
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxError(f"the sandbox interpreter {python!r} cannot compile the harness: {e}") from None
+    if out.returncode or not out.stdout:
+        raise SandboxError(f"the sandbox interpreter {python!r} cannot compile the harness: "
+                           f"{out.stderr.decode('utf-8', 'replace')[-300:]}")
+    return out.stdout
 
 
 def wall_bound_s(limits: Limits) -> float:
@@ -176,17 +203,28 @@ def mode_works(mode: str) -> bool:
         _PROBE_ERRORS[mode] = f"{tool} is not installed"
         return False
     try:
-        recs = run_tests("x = 6", [{"kind": "probe", "exprs": [["x * 7", []]]}],
-                         Limits(test_timeout_s=10, total_timeout_s=20), _info_for(mode))
-        ok = bool(recs[0]) and json.loads(recs[0].get("payload") or "{}").get("values") == [["i", "42"]]
+        verdicts = run_tests("def x():\n    return 6", [{"kind": "call", "src": "assert x() * 7 == 42", "names": ["x"]}],
+                             Limits(test_timeout_s=10, total_timeout_s=20), _info_for(mode))
+        ok = verdicts == [(True, "ok")]
         if not ok:
-            _PROBE_ERRORS[mode] = f"probe test gave {recs[0]!r}"[:300]
+            _PROBE_ERRORS[mode] = f"probe test gave {verdicts!r}"[:300]
     except (SandboxError, OSError, ValueError) as e:
         _PROBE_ERRORS[mode] = f"{type(e).__name__}: {e}"[:300]
         ok = False
     if not ok and tool:
         _LOG.warning("code reward: sandbox mode %s does not work here: %s", mode, _PROBE_ERRORS[mode])
     return ok
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_rlimits_picked() -> None:
+    """Once per process: ``auto`` fell back to the weakest mode; say what it leaves open."""
+    msg = ("code reward: sandbox mode 'auto' picked 'rlimits' (bwrap and unshare do not work here: "
+           + "; ".join(f"{m}: {e}" for m, e in _PROBE_ERRORS.items()) + "). It does not isolate the network, "
+           "the host's unix sockets (connect() needs only write permission on a socket file, e.g. under /run "
+           "or /tmp) or the host file system; see docs/rewards.md")
+    _LOG.warning(msg)
+    warnings.warn(msg, stacklevel=3)
 
 
 def resolve_mode(mode: str = "auto") -> SandboxInfo:
@@ -199,6 +237,8 @@ def resolve_mode(mode: str = "auto") -> SandboxInfo:
     _interpreter()
     for m in (["bwrap", "unshare", "rlimits"] if mode == "auto" else [mode]):
         if mode_works(m):
+            if mode == "auto" and m == "rlimits":
+                _warn_rlimits_picked()
             return _info_for(m)
     raise SandboxError(f"sandbox mode {mode!r} does not work on this machine: "
                        + "; ".join(f"{m}: {e}" for m, e in _PROBE_ERRORS.items()))
@@ -243,18 +283,22 @@ def _descendants(pid: int) -> list[int]:
 
 
 class _Session:
-    """Feeds the job to the harness, reads its records and enforces the deadlines from outside."""
+    """Feeds the job to the harness, reads its progress and the judge's verdicts, and enforces the
+    deadlines from outside (judging included: the judge's time counts against the same budget)."""
 
-    def __init__(self, proc: subprocess.Popen, job: bytes, limits: Limits, n_tests: int):
-        self.proc, self.pending, self.limits = proc, job, limits
-        self.records: list[dict | None] = [None] * n_tests
-        self.ready, self.done, self.current, self.reason = None, False, None, ""
+    def __init__(self, proc: subprocess.Popen, job: bytes, limits: Limits, n_tests: int, verdicts):
+        self.proc, self.pending, self.limits, self.vsock = proc, job, limits, verdicts
+        self.verdicts: list = [None] * n_tests
+        self.records: list = [None] * n_tests
+        self.ready, self.done, self.judged, self.current, self.reason = None, False, False, None, ""
+        self.judge_pidfd, self.v_closed, self.vbuf = None, False, bytearray()
         self.stderr = bytearray()
         self.hard_end = time.monotonic() + limits.total_timeout_s + RUN_GRACE_S
         self.test_end = None
-        self.line_cap = 8 * limits.max_output_bytes + (1 << 20)
+        self.line_cap = 1 << 16
 
     def _handle(self, line: bytes) -> None:
+        """One line of the harness's stdout (trusted code, but in a process the candidate may stop)."""
         try:
             obj = json.loads(line)
         except (ValueError, RecursionError):
@@ -274,11 +318,36 @@ class _Session:
         elif obj.get("done"):
             self.done, self.test_end = True, None
 
+    def _verdict(self, line: bytes) -> None:
+        """One line from the judge (trusted: it never parses candidate bytes into anything but plain data)."""
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):  # a judge killed mid-line
+            return
+        if isinstance(obj.get("pid"), int):
+            try:
+                self.judge_pidfd = os.pidfd_open(obj["pid"])
+            except OSError:
+                pass
+        elif isinstance(obj.get("i"), int) and 0 <= obj["i"] < len(self.verdicts):
+            self.verdicts[obj["i"]] = (bool(obj["ok"]), str(obj["why"]))
+            self.test_end = time.monotonic() + TEST_GRACE_S
+        elif obj.get("done"):
+            self.judged = True
+
     def run(self) -> None:
         out_fd, err_fd, in_fd = self.proc.stdout.fileno(), self.proc.stderr.fileno(), self.proc.stdin.fileno()
+        v_fd = self.vsock.fileno()
         os.set_blocking(in_fd, False)
-        buf, open_fds = bytearray(), {out_fd, err_fd}
-        while out_fd in open_fds and not self.done:
+        bufs, open_fds = {out_fd: bytearray(), v_fd: self.vbuf}, {out_fd, err_fd}
+        while True:
+            if (self.done or out_fd not in open_fds) and v_fd not in open_fds and not self.v_closed:
+                # the verdicts wait in their socket until the harness is done (the judge says bye
+                # first): one wake-up for all of them, not one per test
+                open_fds.add(v_fd)
+                self.test_end = None
+            if self.judged or self.v_closed or not open_fds or (out_fd not in open_fds and not self.ready):
+                break  # judged, or everything closed, or the sandbox did not start
             now = time.monotonic()
             end = min(self.hard_end, self.test_end or self.hard_end)
             if now >= end:
@@ -296,23 +365,52 @@ class _Session:
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     open_fds.discard(fd)
+                    self.v_closed = self.v_closed or fd == v_fd  # the judge is gone: no more verdicts
                 elif fd == err_fd:
                     self.stderr = (self.stderr + chunk)[-4096:]
                 else:
+                    buf = bufs[fd]  # the verdicts' buffer is self.vbuf: finish() drains into the same one
                     buf += chunk
                     *lines, rest = bytes(buf).split(b"\n")
-                    buf = bytearray(rest)
+                    buf[:] = rest
                     for line in lines:
-                        self._handle(line)
-                    if len(buf) > self.line_cap:
+                        (self._handle if fd == out_fd else self._verdict)(line)
+                    if len(rest) > self.line_cap:
                         self.reason = "harness output too long"
                         return
-        if not self.done:
-            self.reason = "harness exited early"
+        if not self.judged:
+            self.reason = self.reason or "judge or harness exited early"
+
+    def _drain_verdicts(self) -> None:
+        """What the judge has written so far (its pid first, then finished tests' verdicts), without waiting."""
+        if self.v_closed or self.judged:
+            return
+        self.vsock.setblocking(False)
+        try:
+            while True:
+                chunk = self.vsock.recv(1 << 16)
+                if not chunk:
+                    break
+                self.vbuf += chunk
+        except OSError:  # nothing more for now
+            pass
+        *lines, rest = bytes(self.vbuf).split(b"\n")
+        self.vbuf = bytearray(rest)
+        for line in lines:
+            self._verdict(line)
 
     def finish(self, ns_mode: bool) -> bool:
         """Make sure nothing of the sandbox runs; True when the harness ended by itself."""
         clean = self.done
+        self._drain_verdicts()
+        if self.judge_pidfd is not None:
+            if not self.judged:  # past its deadline (or cut off): the judge's child goes too
+                try:
+                    signal.pidfd_send_signal(self.judge_pidfd, signal.SIGKILL)
+                except OSError:
+                    pass
+            os.close(self.judge_pidfd)
+        self.vsock.close()
         if clean:
             try:
                 self.proc.wait(timeout=CLEANUP_S)
@@ -325,8 +423,11 @@ class _Session:
                 f.close()
             except OSError:
                 pass
-        if self.current is not None and self.records[self.current] is None:
-            self.records[self.current] = {"i": self.current, "status": "timeout", "by": "parent"}
+        for i, v in enumerate(self.verdicts):  # no verdict: the test ran out of time, or the judge died
+            if v is None:
+                rec = self.records[i] or {}
+                self.verdicts[i] = (False, "timeout" if i == self.current or rec.get("status") == "timeout"
+                                    or self.reason == "deadline" else "no_verdict")
         return clean
 
     def _kill(self, ns_mode: bool) -> None:
@@ -362,44 +463,54 @@ def _subreaper_once() -> bool:
     return True
 
 
-def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo) -> list[dict | None]:
-    """Run ``code`` against harness ``tests`` (see _harness.py); return one record per test, None where
-    the harness did not report (the candidate's fault). Raises SandboxError on infrastructure failures
-    (the sandbox did not start)."""
+def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo) -> list[tuple[bool, str]]:
+    """Run ``code`` in the sandbox against judge ``tests`` (``{"kind": "call", "src", "names"}`` or
+    ``{"kind": "stdio", "stdin", "expected"}``, see _judge.py); return one ``(passed, why)`` per test.
+    Raises SandboxError on infrastructure failures (the sandbox did not start)."""
     ns_mode = info.mode in ("bwrap", "unshare")
-    job = {"code": code, "tests": tests, "test_timeout_s": limits.test_timeout_s,
-           "total_timeout_s": limits.total_timeout_s, "max_output_bytes": limits.max_output_bytes,
+    harness = harness_code(info.python)  # before anything starts: a failure here leaves nothing behind
+    chan, verdicts = judge_proc.open_sample({
+        "tests": tests, "test_timeout_s": limits.test_timeout_s, "total_timeout_s": limits.total_timeout_s,
+        "max_output_bytes": limits.max_output_bytes, "memory_bytes": max(2 << 30, 2 * (limits.memory_mb << 20))})
+    job = {"code": code, "total_timeout_s": limits.total_timeout_s, "max_output_bytes": limits.max_output_bytes,
            "kill_all": info.dedicated_uid or ns_mode, "sys_path": [os.path.realpath(p) for p in limits.site_packages],
            "private_tmp_bytes": (limits.tmp_mb << 20) if info.mode == "unshare" else 0,
+           "channel_fd": chan.fileno(),
            "limits": {"cpu_s": int(limits.test_timeout_s) + 2, "memory_bytes": limits.memory_mb << 20,
                       "max_procs": limits.max_procs, "file_size_bytes": limits.file_size_mb << 20,
                       "open_files": limits.open_files}}
     if not ns_mode:
         _subreaper_once()
     slot = Slot(info.dedicated_uid)
-    with slot as uid:
-        work = None if ns_mode else tempfile.mkdtemp(prefix="ebpo-sbx-")
-        try:
-            if work and uid is not None:
-                os.chown(work, uid, uid)
-            job["workdir"] = work  # the harness removes it itself if we die
-            home = work or "/tmp"
-            proc = subprocess.Popen(_command(info, limits), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, cwd=work or "/", env=dict(SAFE_ENV, HOME=home, TMPDIR=home),
-                                    start_new_session=True, **_user_kwargs(uid))
-            stdin = b"%010d" % len(_HARNESS_SRC) + _HARNESS_SRC + (json.dumps(job) + "\n").encode()
-            session = _Session(proc, stdin, limits, len(tests))
+    try:
+        with slot as uid:
+            work = None if ns_mode else tempfile.mkdtemp(prefix="ebpo-sbx-")
             try:
-                session.run()
+                if work and uid is not None:
+                    os.chown(work, uid, uid)
+                job["workdir"] = work  # the harness removes it itself if we die
+                home = work or "/tmp"
+                proc = subprocess.Popen(_command(info, limits), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, cwd=work or "/",
+                                        env=dict(SAFE_ENV, HOME=home, TMPDIR=home), pass_fds=(chan.fileno(),),
+                                        start_new_session=True, **_user_kwargs(uid))
+                chan.close()  # the harness holds it now: when the sandbox dies the judge sees EOF
+                stdin = b"%010d" % len(harness) + harness + (json.dumps(job) + "\n").encode()
+                session = _Session(proc, stdin, limits, len(tests), verdicts)
+                try:
+                    session.run()
+                finally:
+                    slot.dirty = not session.finish(ns_mode)
             finally:
-                slot.dirty = not session.finish(ns_mode)
-        finally:
-            if uid is not None and not ns_mode:
-                slot.sweep()  # before deleting: nothing of the sandbox may still write there
-                sandbox_uids.remove_tmp_files(uid)
-            if work:
-                shutil.rmtree(work, ignore_errors=True)
+                if uid is not None and not ns_mode:
+                    slot.sweep()  # before deleting: nothing of the sandbox may still write there
+                    remove_leftovers(uid)
+                if work:
+                    shutil.rmtree(work, ignore_errors=True)
+    finally:
+        chan.close()
+        verdicts.close()
     if session.ready is None:
         raise SandboxError(f"sandbox ({info.mode}) did not start: rc={proc.returncode} {session.reason} "
                            f"stderr={session.stderr.decode('utf-8', 'replace')[-300:]!r}")
-    return session.records
+    return session.verdicts

@@ -16,16 +16,16 @@ import ctypes
 import fcntl
 import os
 import pwd
-import shutil
 import signal
 import tempfile
 import time
+
+from rewards.sandbox_leftovers import remove_leftovers
 
 UID_BASE = int(os.environ.get("EBPO_SANDBOX_UID_BASE", "61000"))
 UID_COUNT = 512
 LOCK_DIR = os.path.join(tempfile.gettempdir(), "ebpo-sandbox-uids")
 _QUARANTINED: set[int] = set()
-_TMP_DIRS = ("/tmp", "/dev/shm", "/var/tmp")
 
 
 class UidRangeError(RuntimeError):
@@ -110,29 +110,6 @@ def reap_orphans(uids: set[int]) -> None:
                 pass
 
 
-def remove_tmp_files(uid: int) -> int:
-    """rlimits mode: delete what ``uid`` left in the host's /tmp, /dev/shm and /var/tmp (top level entries
-    it owns, recursively); returns how many entries were removed."""
-    removed = 0
-    for d in _TMP_DIRS:
-        try:
-            entries = list(os.scandir(d))
-        except OSError:
-            continue
-        for e in entries:
-            try:
-                if e.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                if e.is_dir(follow_symlinks=False):
-                    shutil.rmtree(e.path, ignore_errors=True)
-                else:
-                    os.unlink(e.path)
-                removed += 1
-            except OSError:
-                pass
-    return removed
-
-
 def check_uid_range() -> None:
     """Start-up check: no host user and no foreign process may use the dedicated uid range (the sandbox
     kills every process of its uid and lets the candidate touch that uid's files)."""
@@ -191,7 +168,7 @@ class Slot:
                     _QUARANTINED.add(uid)  # unreapable leftovers would cost the next sample its process limit
                     os.close(fd)
                     continue
-                remove_tmp_files(uid)  # and what it left in the host's temporary directories
+                remove_leftovers(uid)  # and what it left on the host (files, SysV IPC)
             _write_marker(fd, b"busy")
             self.fd, self.uid = fd, uid
             return uid

@@ -11,9 +11,11 @@ from rewards.loader import BUILTINS, RewardLoadError, check_signature, is_batche
 from rewards.pool import Call, HardTimeoutPool, Outcome, execute
 
 COUNTERS = ("reward/calls", "reward/timeouts", "reward/errors", "reward/skips", "reward/worker_restarts",
-            "reward/program_tests", "reward/vacuous_tests")
-# extras a reward may report that are summed into the counters (the code reward's weaker / ignored tests)
-_COUNTED_EXTRAS = {"program_tests": "reward/program_tests", "vacuous_tests": "reward/vacuous_tests"}
+            "reward/program_tests", "reward/vacuous_tests", "reward/unsupported_tests")
+# extras a reward may report that are summed into the counters (the code reward's residual programs,
+# ignored tests, and tests the judge cannot run)
+_COUNTED_EXTRAS = {"program_tests": "reward/program_tests", "vacuous_tests": "reward/vacuous_tests",
+                   "unsupported_tests": "reward/unsupported_tests"}
 
 
 def _fields(sample: dict, index: int) -> dict:
@@ -156,8 +158,8 @@ class RewardWorker:
 
     def stats(self, reset: bool = False) -> dict:
         """Cumulative counters since construction (or since the last ``reset=True`` call), plus
-        ``sandbox/mode`` when a code reward is configured. ``reward/program_tests`` and
-        ``reward/vacuous_tests`` sum the code reward's extras (weaker and ignored tests)."""
+        ``sandbox/mode`` when a code reward is configured. ``reward/program_tests``,
+        ``reward/vacuous_tests`` and ``reward/unsupported_tests`` sum the code reward's extras."""
         out = dict(self._counters)
         if self._sandbox_mode:
             out["sandbox/mode"] = self._sandbox_mode
