@@ -85,8 +85,59 @@ def distinct_experts_per_unit(topk_idx: torch.Tensor, units: torch.Tensor, num_e
 def set_block_routing(model, capacity: int) -> None:
     """Switch a loaded model's block routing to `capacity` (0 = off) in its config and every MoE gate."""
     config = model.config
-    config.block_routing_capacity = capacity
-    config.validate()
+    old, config.block_routing_capacity = config.block_routing_capacity, capacity
+    try:
+        config.validate()
+    except ValueError:
+        config.block_routing_capacity = old  # a refused capacity leaves the model as it was
+        raise
     for module in model.modules():
         if hasattr(module, "block_routing_capacity"):
             module.block_routing_capacity = capacity
+
+
+class RoutingRecorder:
+    """Context manager that records, for every forward of every MoE layer, the tokens' positions and chosen
+    experts: `records` is a list of (layer_idx, position_ids (B, L) long, topk_idx (B, L, k) long), CPU copies.
+
+    Used by the tests (routing of a block across layouts) and by `ebpo bench decode` (experts per block).
+    Hooks the decoder layers (their position ids are already (B, L)) and their routed experts' inputs.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.records: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._handles = []
+        self._pos: dict[int, torch.Tensor] = {}
+
+    def __enter__(self) -> "RoutingRecorder":
+        from ebpo.model.modeling_llada2_moe import LLaDA2MoeDecoderLayer, LLaDA2MoeSparseMoeBlock
+
+        for module in self.model.modules():
+            if isinstance(module, LLaDA2MoeDecoderLayer) and isinstance(module.mlp, LLaDA2MoeSparseMoeBlock):
+                i = module.attention.layer_idx
+                self._handles.append(module.register_forward_pre_hook(self._layer_hook(i)))
+                self._handles.append(module.mlp.experts.register_forward_pre_hook(self._experts_hook(i)))
+        return self
+
+    def _layer_hook(self, i):
+        def hook(module, args):
+            self._pos[i] = args[1]
+        return hook
+
+    def _experts_hook(self, i):
+        def hook(module, args):
+            pos = self._pos[i]
+            self.records.append((i, pos.detach().cpu(), args[1].detach().view(*pos.shape, -1).cpu()))
+        return hook
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def experts_per_block(self, block_size: int, num_experts: int) -> torch.Tensor:
+        """(n,) long: distinct experts of every (forward, layer, routing unit) recorded."""
+        out = [distinct_experts_per_unit(idx.reshape(-1, idx.shape[-1]), routing_units(pos, block_size).reshape(-1),
+                                         num_experts) for _, pos, idx in self.records]
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
