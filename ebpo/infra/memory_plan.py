@@ -284,7 +284,7 @@ def expert_working_set(config: LLaDA2MoeConfig, blocks: int, block_size: int, by
     "bytes_per_block", what one block alone reads (the batch-1 decode forward).
 
     Per block the bound is min(E, block_size * k) with per-token routing and C with block routing
-    (`block_routing_capacity`, docs/background.md section 10); a forward touches at most min(E, blocks * that).
+    (`block_routing_capacity`, docs/background.md section 9); a forward touches at most min(E, blocks * that).
     """
     E, k = config.num_experts, config.num_experts_per_tok
     C = config.block_routing_capacity

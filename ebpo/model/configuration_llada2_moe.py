@@ -87,7 +87,7 @@ class LLaDA2MoeConfig(PretrainedConfig):
         self.block_size = block_size
         # "auto" | "grouped" | "dense": how routed experts are computed (see LLaDA2MoeExperts).
         self.moe_impl = moe_impl
-        # LLaDA2.2 block routing (ebpo.model.routing, docs/background.md section 10): every diffusion block
+        # LLaDA2.2 block routing (ebpo.model.routing, docs/background.md section 9): every diffusion block
         # admits C routed experts and its tokens route inside them. 0 (default) or C >= num_experts: off,
         # per-token routing bit for bit. Not in the released LLaDA2.1 config.
         self.block_routing_capacity = block_routing_capacity

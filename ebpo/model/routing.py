@@ -1,5 +1,5 @@
 """LLaDA2.2 block routing: every diffusion block admits a fixed pool of C routed experts (docs/background.md
-section 10).
+section 9).
 
 The routing unit is the diffusion block *of one stream*. The model learns it from the position ids alone, in one
 place (`routing_units`, called once per forward by `LLaDA2MoeModel`): a unit is a maximal run of consecutive

@@ -18,7 +18,7 @@ K = 4
 
 # ------------------------------------------------------------------------------------ plain-loop references
 def brute_block_route(x, weight, bias, units, C, n_group, topk_group, k, scale):
-    """Per token: sorted chosen experts and {expert: weight}, by the rule of docs/background.md section 10,
+    """Per token: sorted chosen experts and {expert: weight}, by the rule of docs/background.md section 9,
     one unit and one expert at a time."""
     T, E = x.shape[0], weight.shape[0]
     per = E // n_group
