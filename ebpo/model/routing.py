@@ -68,7 +68,8 @@ def block_route(scores: torch.Tensor, expert_bias: torch.Tensor, units: torch.Te
     scores (T, E) fp32 sigmoid scores; expert_bias (E,) fp32 (selection only); units (T,) long.
     Every chosen expert lies in the token's pool (the pool has C >= k experts, all with finite scores).
     """
-    choice = scores + expert_bias.float()
+    # selection is discrete: no gradient flows through it, so nothing of it is kept for the backward
+    choice = scores.detach() + expert_bias.float()
     pool = block_pool(choice, units, capacity, n_group, topk_group)
     topk_idx = choice.masked_fill(~pool, float("-inf")).topk(top_k, dim=-1).indices
     return topk_idx, pool

@@ -82,5 +82,6 @@ def test_block_routing_bounds_the_expert_working_set():
 
 def test_activation_probe_runs_with_block_routing():
     cfg = load_preset("tiny", block_routing_capacity=3)
-    prof = probe_activations(cfg, torch.float32)
-    assert prof.per_token > probe_activations(load_preset("tiny"), torch.float32).per_token > 0
+    prof = probe_activations(cfg, torch.float32)  # the pool is chosen without grad: no extra saved tensors
+    off = probe_activations(load_preset("tiny"), torch.float32).per_token
+    assert 0.9 * off <= prof.per_token <= 1.1 * off
