@@ -330,7 +330,10 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         topk_idx, topk_weight, pool = self.gate.route(flat, None if units is None else units.reshape(-1))
-        out = self.experts(flat, topk_idx, topk_weight, pool)
+        # the pool only with block routing on: per-token routing calls the experts exactly as before
+        # (other experts modules, e.g. kernels.fp8.FP8Experts, take the same three arguments)
+        out = (self.experts(flat, topk_idx, topk_weight) if pool is None
+               else self.experts(flat, topk_idx, topk_weight, pool=pool))
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
