@@ -106,7 +106,10 @@ class FP8Experts(nn.Module):
         quantize_weight_blockwise(new_weight.detach().to(q.device), backend=self.backend, out=(q, s))
         return self
 
-    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+                pool: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, H), topk_idx/topk_weight (T, k) -> (T, H). pool (block routing's admitted experts) is accepted
+        and not needed: only the experts with tokens are multiplied (host-side counts below)."""
         T, k = topk_idx.shape
         flat = topk_idx.reshape(-1)
         order = flat.argsort(stable=True)

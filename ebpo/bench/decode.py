@@ -203,6 +203,9 @@ def main(argv: list[str]) -> int:
                         "tokens), interleaved prompt by prompt with our batch-1 decode and, every 8 prompts, batch B")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a DecodeConfig field in every row, e.g. --set compiled_step=true (repeatable)")
+    p.add_argument("--block-routing", default=None, metavar="C,C,...",
+                   help="instead of the usual rows: decode at these block-routing capacities (0 = off, e.g. 0,12) "
+                        "with the first of --presets, batch 1 and --batch, and print tokens/s and experts per block")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     overrides = dict(parse_override(item) for item in a.overrides)
@@ -223,6 +226,8 @@ def main(argv: list[str]) -> int:
                                               "temperature": a.temperature, **overrides})
 
     _run(model, prompts[:2], cfg("m2t", True).replace(max_new_tokens=16), seeds[:2], 2)  # warm-up
+    if a.block_routing is not None:
+        return _block_routing_main(a, model, spec, prompts, seeds, cfg(a.presets.split(",")[0], True))
     rows, released = [], []
     for preset in a.presets.split(","):
         plan = [(1, True), (1, False), (a.batch, True)]
@@ -285,6 +290,26 @@ def main(argv: list[str]) -> int:
     for preset, rr in ratios.items():
         Console().print(f"{preset}: " + ", ".join(f"{k} = {v:.2f}x" for k, v in rr.items()))
     if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _block_routing_main(a, model, spec, prompts, seeds, config) -> int:
+    """`--block-routing`: the capacity comparison of `ebpo.bench.decode_routing`, printed and written as JSON."""
+    import torch
+
+    from ebpo.bench.decode_routing import block_routing_rows, print_table
+
+    caps = [int(c) for c in a.block_routing.split(",")]
+    rows = block_routing_rows(model, prompts, config, seeds, a.batch, caps)
+    c = model.config
+    print_table(rows, spec, c.num_experts, c.num_experts_per_tok, config.block_size or c.block_size)
+    if a.json:
+        result = {"machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "device": a.device,
+                              "torch": torch.__version__}, "model": spec, "decode_preset": a.presets.split(",")[0],
+                  "new_tokens": a.new_tokens, "load_avg": list(os.getloadavg()),
+                  "prompts": a.prompts or f"random, {a.prompt_len} tokens", "block_routing": rows}
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0

@@ -28,6 +28,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-chat-template", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--samples", type=int, default=0, help="print this many sample completions per preset")
+    ap.add_argument("--block-routing", type=int, default=None, metavar="C",
+                    help="decode with block routing capacity C (0 = off; default: the model's config), and report "
+                         "the distinct routed experts per block and forward (docs/background.md section 9)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
@@ -52,16 +55,29 @@ def main(argv: list[str]) -> int:
         return 2
     model = load_model(args.model).eval()
     tokenizer = load_model_tokenizer(args.model)
+    if args.block_routing is not None:
+        from ebpo.model.routing import set_block_routing
+
+        set_block_routing(model, args.block_routing)
     console = Console()
     results = {}
     for preset in args.presets:
-        res = evaluate_rows(model, tokenizer, rows, preset=preset, decode=decode, batch_size=args.batch_size,
-                            chat_template=not args.no_chat_template, keep_samples=args.samples)
+        with _routing_stats(model, args.block_routing is not None) as rec:
+            res = evaluate_rows(model, tokenizer, rows, preset=preset, decode=decode, batch_size=args.batch_size,
+                                chat_template=not args.no_chat_template, keep_samples=args.samples)
         results[preset] = {"accuracy": res.accuracy, "task_accuracy": res.task_accuracy(), "tpf": res.tpf,
                            "forwards_per_seq": res.forwards / len(rows), "edits_per_seq": res.edits / len(rows),
                            "wall_s": res.wall_s, "rows": len(rows), "samples": res.samples,
                            "edits": {k.split("/", 1)[1]: v for k, v in res.metrics("/").items()
                                      if k.endswith(("edit_precision", "fixes_per_seq", "breaks_per_seq"))}}
+        if rec is not None:
+            per_block = rec.experts_per_block(decode.get("block_size") or model.config.block_size,
+                                              model.config.num_experts).float()
+            results[preset]["block_routing_capacity"] = model.config.block_routing_capacity
+            results[preset]["experts_per_block"] = {"mean": float(per_block.mean()), "max": int(per_block.max())}
+            console.print(f"[{preset}] routed experts per block and forward: mean {per_block.mean():.2f}, max "
+                          f"{int(per_block.max())} of {model.config.num_experts} (block routing capacity "
+                          f"{model.config.block_routing_capacity or 'off'})")
         for s in res.samples:
             console.print(f"[{preset}] {s['prompt']!r} -> {s['completion']!r} correct={s['correct']}")
     tasks = sorted({t for r in results.values() for t in r["task_accuracy"]})
@@ -78,3 +94,14 @@ def main(argv: list[str]) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "data": args.data, "decode": decode, "results": results}, f, indent=1)
     return 0
+
+
+def _routing_stats(model, on: bool):
+    """A `RoutingRecorder` on `model` when `on`, else a context that yields None."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext()
+    from ebpo.model.routing import RoutingRecorder
+
+    return RoutingRecorder(model)

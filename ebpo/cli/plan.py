@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from ebpo.infra.config import ConfigError, load_config
+from ebpo.model.routing import block_routing_active
 from ebpo.infra.memory_plan import GB, LearnerShape, count_parameters, learner_memory, probe_activations, rollout_memory
 
 
@@ -84,7 +85,9 @@ def plan(cfg, gpus_per_node: int, gpu_mem_gb: float, nodes: int) -> dict:
     rollout_gpus = cfg.rollout.num_workers * max(cfg.ray.rollout_gpus, 0)
     ranks_per_node = math.ceil(lc.num_workers / nodes)
     return {
-        "model": {"spec": cfg.model, "parameters": count_parameters(config)},
+        "model": {"spec": cfg.model, "parameters": count_parameters(config),
+                  "block_routing_capacity": config.block_routing_capacity
+                  if block_routing_active(config.block_routing_capacity, config.num_experts) else 0},
         "cluster": {"nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_mem_gb": gpu_mem_gb,
                     "gpus": nodes * gpus_per_node, "gpus_asked": learner_gpus + rollout_gpus},
         "learner": {**learner, "ranks": lc.num_workers, "micro_batch_rows": rows, "row_len": row_len,
@@ -118,7 +121,12 @@ def format_plan(p: dict) -> str:
              f"  {'weights':<22}{rol['weights'] / GB:>9.1f} GB",
              f"  {'KV cache':<22}{rol['kv_cache'] / GB:>9.1f} GB",
              f"  {'block logits':<22}{rol['logits'] / GB:>9.1f} GB",
-             f"  {'total':<22}{rol['total'] / GB:>9.1f} GB  {'fits' if rol['total'] <= gb * GB else 'DOES NOT FIT'}"]
+             f"  {'total':<22}{rol['total'] / GB:>9.1f} GB  {'fits' if rol['total'] <= gb * GB else 'DOES NOT FIT'}",
+             f"  routed experts per decode forward: <= {rol['experts_per_block']} per block"
+             f"{' (block routing)' if p['model'].get('block_routing_capacity') else ''}, <= "
+             f"{rol['experts_per_forward']} per MoE layer over {rol['sequences']} active blocks, "
+             f"{rol['expert_bytes_per_forward'] / GB:.2f} GB of expert weights read (one block alone: "
+             f"{rol['expert_bytes_per_block'] / GB:.2f} GB)"]
     if p["cluster"]["gpus_asked"] > p["cluster"]["gpus"]:
         lines.append(f"\nthe recipe asks for {p['cluster']['gpus_asked']:g} GPUs; the cluster has {p['cluster']['gpus']}")
     return "\n".join(lines)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ebpo.model.configuration_llada2_moe import LLaDA2MoeConfig
+from ebpo.model.routing import block_routing_active, routing_units
 
 GB = 1e9
 # DeepSpeed ZeRO-3's default cap on parameters gathered at once (`stage3_max_live_parameters`), in elements.
@@ -173,8 +174,11 @@ def _layer_probe(config: LLaDA2MoeConfig, layer_idx: int, dtype: torch.dtype, le
         x = torch.empty(1, length, config.hidden_size, dtype=dtype, requires_grad=True)
         pos = torch.zeros(1, length, dtype=torch.long)
         keep = torch.ones(1, 1, length, length, dtype=torch.bool)
+        units = None
+        if block_routing_active(config.block_routing_capacity, config.num_experts):
+            units = routing_units(torch.arange(length)[None], config.block_size)
     with _meta_grouped_mm(dtype), _fused_attention():
-        return saved_tensor_bytes(lambda: layer(x, pos, keep), exclude=[x, keep, pos])
+        return saved_tensor_bytes(lambda: layer(x, pos, keep, None, units), exclude=[x, keep, pos])
 
 
 def probe_activations(config: LLaDA2MoeConfig, dtype: torch.dtype, module_head: bool = False) -> ActivationProfile:
@@ -274,10 +278,32 @@ def learner_memory(config: LLaDA2MoeConfig, shape: LearnerShape, profile: Activa
             "forward_rows": rows, "forward_row_len": row_len, "scored_tokens": scored}
 
 
+def expert_working_set(config: LLaDA2MoeConfig, blocks: int, block_size: int, bytes_per_weight: float) -> dict:
+    """Routed experts one forward over `blocks` blocks of `block_size` tokens can touch, per MoE layer, and the
+    bytes of their weights over all MoE layers: {"experts_per_block", "experts_per_layer", "bytes"}, and
+    "bytes_per_block", what one block alone reads (the batch-1 decode forward).
+
+    Per block the bound is min(E, block_size * k) with per-token routing and C with block routing
+    (`block_routing_capacity`, docs/background.md section 9); a forward touches at most min(E, blocks * that).
+    """
+    E, k = config.num_experts, config.num_experts_per_tok
+    C = config.block_routing_capacity
+    per_block = C if block_routing_active(C, E) else min(E, block_size * k)
+    per_layer = min(E, blocks * per_block)
+    moe_layers = max(0, config.num_hidden_layers - config.first_k_dense_replace)
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size
+    return {"experts_per_block": per_block, "experts_per_layer": per_layer,
+            "bytes": per_layer * per_expert * moe_layers * bytes_per_weight,
+            "bytes_per_block": per_block * per_expert * moe_layers * bytes_per_weight}
+
+
 def rollout_memory(config: LLaDA2MoeConfig, fp8: bool, sequences: int, seq_len: int, block_size: int) -> dict:
     """Bytes per rollout GPU: bf16 weights (FP8: quantised linear layers, 1 byte + one fp32 scale per
     128x128 block), a bf16 KV cache for `sequences` rows of `seq_len` tokens, and the fp32 logits of one
-    block per row. {"weights", "kv_cache", "logits", "total"}."""
+    block per row. {"weights", "kv_cache", "logits", "total"}, plus the routed-expert working set of one
+    decode forward (every sequence's active block; block routing bounds it by C per block): "experts_per_block",
+    "experts_per_forward" (per MoE layer) and "expert_bytes_per_forward" (weights read, all MoE layers; part of
+    "weights", not added to the total)."""
     counts = count_parameters(config)
     if fp8:
         weights = counts["linear"] * (1 + 4 / (128 * 128)) + (counts["total"] - counts["linear"]) * 2
@@ -285,4 +311,7 @@ def rollout_memory(config: LLaDA2MoeConfig, fp8: bool, sequences: int, seq_len: 
         weights = counts["total"] * 2
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2 * sequences * seq_len
     logits = sequences * block_size * config.vocab_size * 4
-    return {"weights": weights, "kv_cache": kv, "logits": logits, "total": weights + kv + logits}
+    ws = expert_working_set(config, sequences, block_size, 1 + 4 / (128 * 128) if fp8 else 2)
+    return {"weights": weights, "kv_cache": kv, "logits": logits, "total": weights + kv + logits,
+            "experts_per_block": ws["experts_per_block"], "experts_per_forward": ws["experts_per_layer"],
+            "expert_bytes_per_forward": ws["bytes"], "expert_bytes_per_block": ws["bytes_per_block"]}

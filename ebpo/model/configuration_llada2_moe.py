@@ -48,6 +48,7 @@ class LLaDA2MoeConfig(PretrainedConfig):
         mask_token_id: int = 156895,
         block_size: int = 32,
         moe_impl: str = "auto",
+        block_routing_capacity: int = 0,
         tie_word_embeddings: bool = False,
         **kwargs,
     ):
@@ -86,6 +87,10 @@ class LLaDA2MoeConfig(PretrainedConfig):
         self.block_size = block_size
         # "auto" | "grouped" | "dense": how routed experts are computed (see LLaDA2MoeExperts).
         self.moe_impl = moe_impl
+        # LLaDA2.2 block routing (ebpo.model.routing, docs/background.md section 9): every diffusion block
+        # admits C routed experts and its tokens route inside them. 0 (default) or C >= num_experts: off,
+        # per-token routing bit for bit. Not in the released LLaDA2.1 config.
+        self.block_routing_capacity = block_routing_capacity
         super().__init__(
             pad_token_id=pad_token_id,
             eos_token_id=eos_token_id,
@@ -132,6 +137,13 @@ class LLaDA2MoeConfig(PretrainedConfig):
                  f"got {self.num_experts_per_tok}")
             need(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be positive")
             need(self.num_shared_experts >= 0, "num_shared_experts", "must be >= 0")
+            C = self.block_routing_capacity
+            need(isinstance(C, int) and C >= 0, "block_routing_capacity", f"must be an integer >= 0, got {C!r}")
+            if 0 < C < self.num_experts:  # on: the pool lies inside the block's topk_group groups (routing.py)
+                need(self.num_experts_per_tok <= C <= self.topk_group * per_group, "block_routing_capacity",
+                     f"must be 0 (off), >= num_experts={self.num_experts} (off), or lie in [num_experts_per_tok="
+                     f"{self.num_experts_per_tok}, topk_group * experts_per_group = {self.topk_group * per_group}], "
+                     f"got {C}")
         for field in ("mask_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, field)
             if v is not None:

@@ -34,6 +34,7 @@ from kernels.attention import copy_block_attention
 from ebpo.model.masks import CopyBlockLayout, padding_to_block_causal, block_causal_mask
 from ebpo.model.cache import BlockKVCache, StaticKVCache
 from ebpo.model.configuration_llada2_moe import LLaDA2MoeConfig
+from ebpo.model.routing import block_route, block_routing_active, routing_units
 
 
 class LLaDA2MoeRMSNorm(nn.Module):
@@ -150,7 +151,9 @@ class LLaDA2MoeMLP(nn.Module):
 
 
 class LLaDA2MoeGate(nn.Module):
-    """Sigmoid router with group-limited top-k; `expert_bias` shifts selection only (aux-loss free)."""
+    """Sigmoid router with group-limited top-k; `expert_bias` shifts selection only (aux-loss free).
+    With `block_routing_capacity` C in (0, E), each routing unit (diffusion block) first admits C experts and
+    its tokens choose inside them (`ebpo.model.routing.block_route`)."""
 
     def __init__(self, config: LLaDA2MoeConfig):
         super().__init__()
@@ -159,13 +162,25 @@ class LLaDA2MoeGate(nn.Module):
         self.topk_group = config.topk_group
         self.routed_scaling_factor = config.routed_scaling_factor
         self.norm_topk_prob = config.norm_topk_prob
+        self.block_routing_capacity = config.block_routing_capacity
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, hidden) -> (topk_idx (T, k) long, topk_weight (T, k) fp32)."""
+    def forward(self, x: torch.Tensor, units: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden), units (T,) long routing-unit ids (needed with block routing on)
+        -> (topk_idx (T, k) long, topk_weight (T, k) fp32)."""
+        return self.route(x, units)[:2]
+
+    def route(self, x: torch.Tensor, units: torch.Tensor | None = None):
+        """`forward`'s outputs plus the admitted pool: (T, E) bool with block routing on, else None."""
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
+        if block_routing_active(self.block_routing_capacity, scores.shape[1]):
+            if units is None:
+                raise ValueError("block routing (block_routing_capacity > 0) needs the tokens' routing units")
+            topk_idx, pool = block_route(scores, self.expert_bias, units, self.block_routing_capacity, self.top_k,
+                                         self.n_group, self.topk_group)
+            return (*self._weights(scores, topk_idx), pool)
         choice = scores + self.expert_bias.float()
         T, E = choice.shape
         grouped = choice.view(T, self.n_group, E // self.n_group)
@@ -174,6 +189,10 @@ class LLaDA2MoeGate(nn.Module):
         group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep_groups, True)
         choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(T, E)
         topk_idx = choice.topk(self.top_k, dim=-1).indices
+        return (*self._weights(scores, topk_idx), None)
+
+    def _weights(self, scores, topk_idx):
+        """(topk_idx, weights (T, k) fp32): the chosen experts' unbiased scores, normalised, scaled."""
         topk_weight = scores.gather(1, topk_idx)
         if self.norm_topk_prob:
             topk_weight = topk_weight / (topk_weight.sum(-1, keepdim=True) + 1e-20)
@@ -216,40 +235,53 @@ class LLaDA2MoeExperts(nn.Module):
         self.impl = impl
         self._register_load_state_dict_pre_hook(_experts_load_pre_hook, with_module=True)
 
-    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-        """x (T, H), topk_idx (T, k), topk_weight (T, k) -> (T, H) = sum_j w_j * expert_{idx_j}(x)."""
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+                pool: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, H), topk_idx (T, k), topk_weight (T, k) -> (T, H) = sum_j w_j * expert_{idx_j}(x).
+
+        pool: None, or (T, E) bool, each token's admitted experts (block routing). Without grad and outside
+        compilation (decoding), the GEMMs then run over the experts admitted in this forward only: their
+        weights are gathered once and the expert ids renumbered, so the work and the weights touched scale
+        with the P <= units * C admitted experts instead of E."""
+        weights = (self.gate_proj, self.up_proj, self.down_proj)
+        if pool is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            admitted = pool.any(0).nonzero().squeeze(1)  # (P,) sorted; one host sync
+            local = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+            local[admitted] = torch.arange(admitted.numel(), device=x.device)
+            topk_idx = local[topk_idx]
+            weights = tuple(w.index_select(0, admitted) for w in weights)
         if self.impl == "dense":
-            return self._forward_dense(x, topk_idx, topk_weight)
-        return self._forward_grouped(x, topk_idx, topk_weight)
+            return self._forward_dense(x, topk_idx, topk_weight, *weights)
+        return self._forward_grouped(x, topk_idx, topk_weight, *weights)
 
-    def _forward_dense(self, x, topk_idx, topk_weight):
+    def _forward_dense(self, x, topk_idx, topk_weight, gate_proj, up_proj, down_proj):
         T = x.shape[0]
-        route = torch.zeros(T, self.num_experts, dtype=x.dtype, device=x.device)
+        route = torch.zeros(T, gate_proj.shape[0], dtype=x.dtype, device=x.device)
         route.scatter_add_(1, topk_idx, topk_weight.to(x.dtype))
-        h = F.silu(torch.einsum("th,efh->tef", x, self.gate_proj)) * torch.einsum("th,efh->tef", x, self.up_proj)
+        h = F.silu(torch.einsum("th,efh->tef", x, gate_proj)) * torch.einsum("th,efh->tef", x, up_proj)
         h = h * route[..., None]
-        return torch.einsum("tef,ehf->th", h, self.down_proj)
+        return torch.einsum("tef,ehf->th", h, down_proj)
 
-    def _forward_grouped(self, x, topk_idx, topk_weight):
+    def _forward_grouped(self, x, topk_idx, topk_weight, gate_proj, up_proj, down_proj):
         T, k = topk_idx.shape
         flat_expert = topk_idx.reshape(-1)
         order = flat_expert.argsort(stable=True)
         token_of = order // k
         xs = x[token_of]  # (T*k, H) grouped by expert
         # counts per expert with a fixed output shape (bincount's depends on the data: no graph capture)
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
+        counts = torch.zeros(gate_proj.shape[0], dtype=torch.long, device=x.device).index_add_(
             0, flat_expert, torch.ones_like(flat_expert))
         offs = counts.cumsum(0).to(torch.int32)
         if torch.compiler.is_compiling() and not torch.is_grad_enabled():
             # traced as one opaque op: `_grouped_mm`'s meta function accepts only bf16 (its CUDA kernel's rule)
             # while its CPU kernel runs fp32; same kernel, same numbers as eager
-            y = torch.ops.ebpo.grouped_swiglu(xs, offs, self.gate_proj, self.up_proj, self.down_proj)
+            y = torch.ops.ebpo.grouped_swiglu(xs, offs, gate_proj, up_proj, down_proj)
         else:
             gm = torch._grouped_mm
-            g = gm(xs, self.gate_proj.transpose(1, 2), offs=offs)
-            u = gm(xs, self.up_proj.transpose(1, 2), offs=offs)
+            g = gm(xs, gate_proj.transpose(1, 2), offs=offs)
+            u = gm(xs, up_proj.transpose(1, 2), offs=offs)
             h = _ContiguousGrad.apply(F.silu(g) * u)
-            y = _ContiguousGrad.apply(gm(h, self.down_proj.transpose(1, 2), offs=offs))
+            y = _ContiguousGrad.apply(gm(h, down_proj.transpose(1, 2), offs=offs))
         w = topk_weight.reshape(-1)[order].to(y.dtype)
         out = torch.zeros_like(x)
         out.index_add_(0, token_of, y * w[:, None])
@@ -295,11 +327,15 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
             LLaDA2MoeMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
             if config.num_shared_experts > 0 else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, L, hidden), units (B, L) routing-unit ids (`ebpo.model.routing.routing_units`) -> (B, L, hidden)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        topk_idx, topk_weight = self.gate(flat)
-        out = self.experts(flat, topk_idx, topk_weight)
+        topk_idx, topk_weight, pool = self.gate.route(flat, None if units is None else units.reshape(-1))
+        # the pool only with block routing on: per-token routing calls the experts exactly as before
+        # (other experts modules, e.g. kernels.fp8.FP8Experts, take the same three arguments)
+        out = (self.experts(flat, topk_idx, topk_weight) if pool is None
+               else self.experts(flat, topk_idx, topk_weight, pool=pool))
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
@@ -316,9 +352,11 @@ class LLaDA2MoeDecoderLayer(nn.Module):
         else:
             self.mlp = LLaDA2MoeSparseMoeBlock(config)
 
-    def forward(self, x, position_ids, keep_mask, cache=None):
+    def forward(self, x, position_ids, keep_mask, cache=None, units=None):
+        """units (B, L): routing units of the tokens, used by a block-routed MoE layer (dense layers ignore it)."""
         x = x + self.attention(self.input_layernorm(x), position_ids, keep_mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, units) if isinstance(self.mlp, LLaDA2MoeSparseMoeBlock) else self.mlp(h))
 
 
 @dataclass
@@ -400,15 +438,20 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         if position_ids.dim() == 1:
             position_ids = position_ids[None].expand(B, L)
         keep = self._keep_mask(attention_mask, B, L, x.device, cache, cache_rows)
+        # the one place where block membership is derived from the layout (ebpo.model.routing): every
+        # MoE layer routes per unit when block routing is on
+        units = (routing_units(position_ids, self.config.block_size)
+                 if block_routing_active(self.config.block_routing_capacity, self.config.num_experts) else None)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and cache is None:
                 fn = getattr(self, "_gradient_checkpointing_func", None)
                 if fn is None:
-                    x = torch.utils.checkpoint.checkpoint(layer, x, position_ids, keep, None, use_reentrant=False)
+                    x = torch.utils.checkpoint.checkpoint(layer, x, position_ids, keep, None, units,
+                                                          use_reentrant=False)
                 else:
-                    x = fn(layer.__call__, x, position_ids, keep, None)
+                    x = fn(layer.__call__, x, position_ids, keep, None, units)
             else:
-                x = layer(x, position_ids, keep, cache)
+                x = layer(x, position_ids, keep, cache, units)
         return self.norm(x)
 
     def _keep_mask(self, attention_mask, B, L, device, cache, cache_rows):

@@ -36,3 +36,14 @@ def test_prompt_file_errors_name_the_file_and_line(tmp_path):
         prompt_ids_from_file(str(short), tok, 4)
     ids = prompt_ids_from_file(str(short), tok, 1)
     assert len(ids) == 1 and len(ids[0]) > len("Compute 1+2.")  # chat template around the text
+
+
+def test_bench_decode_block_routing_compares_capacities(tmp_path):
+    out = tmp_path / "routing.json"
+    assert main(["--model", "preset:tiny", "--block-routing", "0,3", "--batch", "2", "--new-tokens", "8",
+                 "--presets", "m2t", "--threads", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["block_routing"]
+    assert [(r["capacity"], r["batch"]) for r in rows] == [(0, 1), (3, 1), (0, 2), (3, 2)]
+    on = [r for r in rows if r["capacity"] == 3]
+    assert all(r["experts_per_block_max"] <= 3 and r["tokens_per_s"] > 0 for r in on)
+    assert max(r["experts_per_block_max"] for r in rows if r["capacity"] == 0) > 3

@@ -62,3 +62,26 @@ def test_plan_command_for_the_mini_recipe(capsys):
     # flash on one node of 80 GB GPUs does not fit: exit status 1
     assert main(["plan", "recipes/rl_math_llada21_mini.yaml", "model=preset:flash"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_block_routing_bounds_the_expert_working_set():
+    from ebpo.infra.memory_plan import expert_working_set, rollout_memory
+
+    off, on = load_preset("mini"), load_preset("llada22_mini")
+    assert on.block_routing_capacity == 48
+    per_expert = 3 * off.hidden_size * off.moe_intermediate_size * 19 * 2  # 19 MoE layers, bf16
+    a, b = expert_working_set(off, 1, 32, 2), expert_working_set(on, 1, 32, 2)
+    assert (a["experts_per_block"], b["experts_per_block"]) == (256, 48)  # 32 tokens x 8 > 256; C = 48
+    assert b["bytes_per_block"] == 48 * per_expert and a["bytes_per_block"] == 256 * per_expert
+    assert expert_working_set(on, 3, 32, 2)["experts_per_layer"] == 144
+    assert expert_working_set(on, 9, 32, 2)["experts_per_layer"] == 256
+    assert expert_working_set(load_preset("tiny"), 1, 8, 2)["experts_per_block"] == 8
+    r = rollout_memory(on, False, 2, 64, 32)
+    assert r["experts_per_forward"] == 96 and r["total"] == rollout_memory(off, False, 2, 64, 32)["total"]
+
+
+def test_activation_probe_runs_with_block_routing():
+    cfg = load_preset("tiny", block_routing_capacity=3)
+    prof = probe_activations(cfg, torch.float32)  # the pool is chosen without grad: no extra saved tensors
+    off = probe_activations(load_preset("tiny"), torch.float32).per_token
+    assert 0.9 * off <= prof.per_token <= 1.1 * off
