@@ -104,7 +104,7 @@ def measure(args, world: int, budget: int) -> dict:
 def precision_error(args, lengths=(256, 2048), batch: int = 4) -> dict:
     """{length: rms over sequences of C_bf16 - C_fp32 (nats)} for responses of `length` tokens."""
     from ebpo.core.likelihood import all_composites, draw_noise
-    from ebpo.rl.learner import _autocast, _Forward
+    from ebpo.rl.learner import autocast_call, PolicyForward
 
     torch.set_num_threads(args.threads)
     model = _model(args).eval()
@@ -117,8 +117,8 @@ def precision_error(args, lengths=(256, 2048), batch: int = 4) -> dict:
         resp[:, 8:] = ids[:, 8:] != c.eos_token_id
         noise = draw_noise(resp, args.block_size, args.n_draws, 0.1, 1.0, torch.Generator().manual_seed(0))
         with torch.no_grad():
-            fp32 = all_composites(_Forward(model, model), ids, noise, c.mask_token_id, cached=True).mean(1)
-            bf16 = all_composites(_Forward(_autocast(model, "cpu"), model), ids, noise, c.mask_token_id,
+            fp32 = all_composites(PolicyForward(model, model), ids, noise, c.mask_token_id, cached=True).mean(1)
+            bf16 = all_composites(PolicyForward(autocast_call(model, "cpu"), model), ids, noise, c.mask_token_id,
                                   cached=True).mean(1)
         out[n] = float((bf16 - fp32).pow(2).mean().sqrt())
     return out

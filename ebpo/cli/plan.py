@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 def plan(cfg, gpus_per_node: int, gpu_mem_gb: float, nodes: int) -> dict:
     """The plan of a loaded `RLConfig` on `nodes` x `gpus_per_node` GPUs of `gpu_mem_gb` GB."""
     config = model_config(cfg.model)
-    lc = cfg.learner_config()
+    lc = cfg.learner
     K = lc.block_size or config.block_size
     max_new = int(cfg.rollout.decode.get("max_new_tokens", 256))
     seq = cfg.data.max_prompt_tokens + max_new

@@ -23,7 +23,8 @@ class LearnerConfig:
     weight_decay: float = doc("AdamW weight decay", 0.0)
     betas: list[float] = doc("AdamW betas", default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = doc("linear warm-up length, in updates (RL steps; fractional within an update)", 0)
-    total_steps: int = doc("schedule length in updates (RL steps); needed by the cosine schedule", 0)
+    total_steps: Optional[int] = doc("schedule length in updates (RL steps); needed by the cosine schedule; null "
+                                     "= trainer.steps in an RL recipe (0 for a learner built on its own)", None)
     schedule: Literal["constant", "cosine"] = doc("LR schedule after warm-up (cosine decays to 0 at total_steps)",
                                                   "constant")
     grad_clip: float = doc("max global grad norm per optimizer step; 0 = no clipping", 1.0)
@@ -74,10 +75,12 @@ class LearnerConfig:
                                          "length (rounded up to whole blocks), rows sorted by length so padding "
                                          "stays small; 0 = a rank's whole share of a minibatch at once", 0)
     lora: Optional[dict] = doc("PEFT LoRA {r, alpha, target_modules, dropout}; null = full fine-tuning", None)
-    max_staleness: int = doc("asynchronous RL: versions a sample's weights may lag the learner's (set from "
-                             "trainer.max_staleness); > 0 keeps that many weight snapshots for the decoupled loss", 0)
+    max_staleness: int = doc("asynchronous RL: versions a sample's weights may lag the learner's; > 0 keeps that "
+                             "many weight snapshots for the decoupled loss. In an RL recipe set trainer.max_staleness "
+                             "(its one owner, copied here); this key is a deprecated alias of it", 0)
     is_cap: float = doc("asynchronous RL: cap of the truncated behaviour->proximal importance weight", 2.0)
-    seed: int = doc("seed of the learner's noise-draw generator (and minibatch shuffling)", 0)
+    seed: Optional[int] = doc("seed of the learner's noise-draw generator (and minibatch shuffling); null = "
+                              "trainer.seed in an RL recipe (0 for a learner built on its own)", None)
     block_size: Optional[int] = doc("block size K of the likelihood; null = the model's", None)
     device: str = doc("auto (cuda if available), cpu or cuda[:i]; DeepSpeed places the model itself", "auto")
 
@@ -87,8 +90,9 @@ class LearnerConfig:
             ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
             ("betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "must be two numbers in [0, 1)"),
             ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
-            ("total_steps", self.total_steps >= 0, "must be >= 0"),
-            ("total_steps", self.schedule != "cosine" or self.total_steps > self.warmup_steps,
+            ("total_steps", self.total_steps is None or self.total_steps >= 0, "must be >= 0"),
+            # unset (None) is filled in from trainer.steps by RLConfig, which validates again
+            ("total_steps", self.schedule != "cosine" or self.total_steps is None or self.total_steps > self.warmup_steps,
              "the cosine schedule needs total_steps > warmup_steps"),
             ("schedule", self.schedule in ("constant", "cosine"), "choose constant or cosine"),
             ("grad_clip", self.grad_clip >= 0, "must be >= 0 (0 = off)"),
@@ -143,6 +147,6 @@ def lr_factor(progress: float, cfg: LearnerConfig, step_frac: float = 0.0) -> fl
     if cfg.warmup_steps > 0 and end < cfg.warmup_steps:
         return end / cfg.warmup_steps
     if cfg.schedule == "cosine":
-        q = (progress - cfg.warmup_steps) / max(cfg.total_steps - cfg.warmup_steps, 1)
+        q = (progress - cfg.warmup_steps) / max((cfg.total_steps or 0) - cfg.warmup_steps, 1)
         return 0.5 * (1.0 + math.cos(math.pi * min(max(q, 0.0), 1.0)))
     return 1.0

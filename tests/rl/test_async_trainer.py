@@ -39,9 +39,9 @@ def read_metrics(run_dir):
 
 
 def train(cfg, before_fit=None):
-    from ebpo.rl.trainer import RLTrainer
+    from ebpo.rl.trainer import make_loop
 
-    trainer = RLTrainer(cfg)
+    trainer = make_loop(cfg)
     try:
         if before_fit:
             before_fit(trainer)
