@@ -97,7 +97,7 @@ class EBPOLearner:
                 self.ref_model = copy.deepcopy(base).eval().requires_grad_(False)
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         self.engine = None
         n_backward = math.ceil(cfg.n_draws / cfg.replay_chunk) if cfg.grad_replay else 1
         self._n_backward = n_backward

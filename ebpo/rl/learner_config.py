@@ -5,13 +5,14 @@ Kept apart from `ebpo.rl.learner` so that reading the options does not mean read
 """
 from __future__ import annotations
 
-import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 
 from ebpo.core.algos import KL_ESTIMATORS
 from ebpo.core.editing import T2T_SOURCES
+from ebpo.core.schedule import lr_schedule
 from ebpo.infra.config import doc
 
 LORA_TARGETS = ["query_key_value", "dense", "gate_proj", "up_proj", "down_proj"]
@@ -21,7 +22,9 @@ LORA_TARGETS = ["query_key_value", "dense", "gate_proj", "up_proj", "down_proj"]
 class LearnerConfig:
     lr: float = doc("peak learning rate (0 = a frozen policy, e.g. to check that off-policy ratios are 1)", 1e-6)
     weight_decay: float = doc("AdamW weight decay", 0.0)
-    betas: list[float] = doc("AdamW betas", default_factory=lambda: [0.9, 0.999])
+    beta1: float = doc("AdamW beta1 (the key CPT/SFT recipes spell optim.beta1)", 0.9)
+    beta2: float = doc("AdamW beta2 (the key CPT/SFT recipes spell optim.beta2)", 0.999)
+    betas: Optional[list[float]] = doc("deprecated: [beta1, beta2]; write learner.beta1 and learner.beta2", None)
     warmup_steps: int = doc("linear warm-up length, in updates (RL steps; fractional within an update)", 0)
     total_steps: Optional[int] = doc("schedule length in updates (RL steps); needed by the cosine schedule; null "
                                      "= trainer.steps in an RL recipe (0 for a learner built on its own)", None)
@@ -85,10 +88,19 @@ class LearnerConfig:
     device: str = doc("auto (cuda if available), cpu or cuda[:i]; DeepSpeed places the model itself", "auto")
 
     def validate(self):
+        if self.betas is not None and len(self.betas) == 2:  # the old spelling, kept for one release
+            warnings.warn("learner.betas is deprecated and will be removed in the next release; write learner.beta1 "
+                          "and learner.beta2 (as CPT/SFT recipes write optim.beta1 and optim.beta2)",
+                          DeprecationWarning, stacklevel=2)
+            self.beta1, self.beta2 = (float(b) for b in self.betas)
+            self.betas = None
         checks = [
             ("lr", self.lr >= 0, "must be >= 0 (0 = frozen policy)"),
             ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
-            ("betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "must be two numbers in [0, 1)"),
+            ("betas", self.betas is None or (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)),
+             "must be two numbers in [0, 1)"),
+            ("beta1", 0 <= self.beta1 < 1, "must lie in [0, 1)"),
+            ("beta2", 0 <= self.beta2 < 1, "must lie in [0, 1)"),
             ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
             ("total_steps", self.total_steps is None or self.total_steps >= 0, "must be >= 0"),
             # unset (None) is filled in from trainer.steps by RLConfig, which validates again
@@ -138,15 +150,6 @@ class LearnerConfig:
 
 
 def lr_factor(progress: float, cfg: LearnerConfig, step_frac: float = 0.0) -> float:
-    """LR multiplier of the optimizer step starting at `progress` updates (float) and lasting `step_frac`.
-
-    Warm-up is linear in the step's end (so the very first step has a non-zero LR); the cosine phase
-    uses the step's start (so the last scheduled update still trains), reaching 0 at total_steps.
-    """
-    end = progress + step_frac
-    if cfg.warmup_steps > 0 and end < cfg.warmup_steps:
-        return end / cfg.warmup_steps
-    if cfg.schedule == "cosine":
-        q = (progress - cfg.warmup_steps) / max((cfg.total_steps or 0) - cfg.warmup_steps, 1)
-        return 0.5 * (1.0 + math.cos(math.pi * min(max(q, 0.0), 1.0)))
-    return 1.0
+    """LR multiplier of the optimizer step starting at `progress` updates (float) and lasting `step_frac`:
+    the shared schedule (`ebpo.core.schedule.lr_schedule`) with the learner's warm-up, length and shape."""
+    return lr_schedule(progress, step_frac, cfg.warmup_steps, cfg.total_steps or 0, cfg.schedule)

@@ -10,7 +10,6 @@ One optimizer step, as data:
 """
 from __future__ import annotations
 
-import math
 import random
 import time
 from pathlib import Path
@@ -23,16 +22,9 @@ from ebpo.infra.config import load_config, save_config, to_dict
 from ebpo.infra.data import EpochSampler, collate, encode_sft, load_rows, pack_documents
 from ebpo.infra.distributed import init_distributed
 from ebpo.core.noise import make_noisy, substitution_ids
+from ebpo.core.schedule import lr_schedule
 from ebpo.core.objectives import LossShard, mixture_loss, shard_of, take_rows
 from ebpo.sft.config import SFTConfig
-
-
-def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """LR multiplier at optimizer step `step` (0-based): linear warmup, then cosine down to min_ratio."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_examples(cfg: SFTConfig, tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
@@ -92,7 +84,7 @@ class SFTTrainer:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: warmup_cosine(s, o.warmup_steps, tc.steps, o.min_lr_ratio))
+            self.optimizer, lambda s: lr_schedule(s, 1.0, o.warmup_steps, tc.steps, "cosine", o.min_lr_ratio))
         self.engine = None
         if tc.backend == "deepspeed":
             self._init_deepspeed()

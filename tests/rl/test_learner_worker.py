@@ -83,7 +83,7 @@ def test_on_policy_update_matches_plain_reference(small_model, packed, cached, r
     loss, _ = ebpo_loss(cur, old, batch["advantages"], cfg.eps_low, cfg.eps_high, dual_clip=cfg.dual_clip)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.grad_clip)
-    torch.optim.AdamW(ref.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=0.0).step()
+    torch.optim.AdamW(ref.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0).step()
 
     assert m["actor/grad_norm"] == pytest.approx(float(norm), rel=1e-4)
     assert m["likelihood/elbo_seq_mean"] == pytest.approx(float(old.mean()), rel=1e-5)
@@ -194,3 +194,19 @@ def test_deepspeed_save_load_roundtrip(small_model, tmp_path):
     assert ma["actor/pg_loss"] == pytest.approx(mb["actor/pg_loss"], rel=1e-6, abs=1e-9)
     sa, sb = a.state_dict_for_sync(), b.state_dict_for_sync()
     assert all(torch.allclose(sa[k], sb[k], atol=1e-7) for k in sa)
+
+
+def test_learner_betas_is_a_deprecated_alias_of_beta1_beta2():
+    with pytest.warns(DeprecationWarning, match="learner.beta1"):
+        cfg = build(LearnerConfig, {"betas": [0.8, 0.95]}, "learner.")
+    assert (cfg.beta1, cfg.beta2, cfg.betas) == (0.8, 0.95, None)
+    assert (LearnerConfig().beta1, LearnerConfig().beta2) == (0.9, 0.999)  # the RL defaults are unchanged
+
+
+def test_rl_and_sft_share_one_lr_schedule():
+    from ebpo.core.schedule import lr_schedule
+    from ebpo.rl.learner_config import lr_factor
+
+    cfg = LearnerConfig(warmup_steps=2, total_steps=10, schedule="cosine")
+    for p in (0.0, 0.5, 1.0, 2.0, 6.0, 9.5, 12.0):
+        assert lr_factor(p, cfg, 0.5) == lr_schedule(p, 0.5, 2, 10, "cosine")
