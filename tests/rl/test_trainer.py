@@ -78,7 +78,7 @@ def test_two_steps_log_every_design_metric_and_checkpoint(ray_local, tmp_path, d
     logged = read_metrics(run_dir)
     assert any("eval/math/accuracy" in r for r in logged)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
-    assert (run_dir / "checkpoints" / "step_2" / "trainer_state.json").exists()
+    assert (run_dir / "checkpoints" / "step_2" / "state.json").exists()
     assert (run_dir / "config.yaml").exists()
     assert list((run_dir / "plots").glob("*.png"))
     assert list(run_dir.rglob("*.wandb")), "an offline W&B run should be written inside the run directory"
