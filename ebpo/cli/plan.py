@@ -72,7 +72,7 @@ def plan(cfg, gpus_per_node: int, gpu_mem_gb: float, nodes: int) -> dict:
     mask_fraction = 0.5 * (1 + 1 / K) if lc.noise == "exact_elbo" else 0.5 * (lc.t_min + lc.t_max)
     shape = LearnerShape(ranks=lc.num_workers, dtype=lc.dtype, backend=lc.backend, zero_stage=lc.zero_stage,
                          offload_optimizer=lc.offload_optimizer, offload_param=lc.offload_param,
-                         reference_copy=lc.kl_beta > 0 and lc.lora is None, rows=rows, row_len=row_len,
+                         reference_copy=lc.kl_beta > 0 and not lc.lora.enabled, rows=rows, row_len=row_len,
                          response_len=max_new, draws_per_forward=draws, packed=lc.packed,
                          mask_fraction=mask_fraction, checkpointing=lc.gradient_checkpointing)
     learner = learner_memory(config, shape, profile)

@@ -86,11 +86,8 @@ class EBPOLearner:
             dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             base = base.to(dev)
         self.ref_model = None
-        if cfg.lora is not None:
-            lcfg = peft.LoraConfig(r=int(cfg.lora.get("r", 8)), lora_alpha=float(cfg.lora.get("alpha", 16)),
-                              target_modules=list(cfg.lora.get("target_modules", LORA_TARGETS)),
-                              lora_dropout=float(cfg.lora.get("dropout", 0.0)), bias="none")
-            self.model = peft.get_peft_model(base, lcfg)
+        if cfg.lora.enabled:
+            self.model = peft.get_peft_model(base, cfg.lora.peft_config())
         else:
             self.model = base
             if cfg.kl_beta > 0:  # frozen reference = the initial policy
@@ -152,11 +149,11 @@ class EBPOLearner:
     @property
     def gathers_weights(self) -> bool:
         """True when reading the full weights is a collective over the ranks (DeepSpeed ZeRO-3, no LoRA)."""
-        return self.engine is not None and self.cfg.zero_stage == 3 and self.cfg.lora is None
+        return self.engine is not None and self.cfg.zero_stage == 3 and not self.cfg.lora.enabled
 
     # ------------------------------------------------------------------------------------------------
     def _ref_context(self):
-        if self.cfg.lora is not None:
+        if self.cfg.lora.enabled:
             return self.model.disable_adapter()
         return nullcontext()
 
@@ -436,14 +433,14 @@ class EBPOLearner:
     # ------------------------------------------------------------------------------------------------
     def get_model(self):
         """The policy as a plain `LLaDA2MoeModelLM` (LoRA: a merged copy; the live model is untouched)."""
-        if self.cfg.lora is not None:
+        if self.cfg.lora.enabled:
             merged = copy.deepcopy(self.model).merge_and_unload()
             return merged
         return self.model
 
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """Full policy weights as CPU tensors under the model's own names (LoRA merged in)."""
-        if self.cfg.lora is not None:
+        if self.cfg.lora.enabled:
             return {k: v.detach().cpu().clone() for k, v in self.get_model().state_dict().items()}
         if self.engine is not None and self.cfg.zero_stage == 3:  # gathered 256 MiB at a time, on every rank
             return {k: v for part in WeightStreamer(self.model, True, 1 << 28).cpu_buckets() for k, v in part.items()}

@@ -14,8 +14,28 @@ from ebpo.core.algos import KL_ESTIMATORS
 from ebpo.core.editing import T2T_SOURCES
 from ebpo.core.schedule import lr_schedule
 from ebpo.infra.config import doc
+from ebpo.infra.lora import LORA_TARGETS, LoraSection  # noqa: F401 (re-exported)
 
-LORA_TARGETS = ["query_key_value", "dense", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LearnerLora(LoraSection):
+    """The learner's LoRA section: the CPT/SFT `lora` section with the RL defaults (r 8, alpha 16)."""
+    r: int = doc("LoRA rank", 8)
+    alpha: float = doc("LoRA alpha (the adapter's output is scaled by alpha / r)", 16.0)
+
+    @staticmethod
+    def upgrade_spelling(value, key: str):
+        """ebpo 0.1 spelled `learner.lora` as a mapping without `enabled` (LoRA on) or null (off); both
+        still work for one release, the mapping with a warning naming the new key."""
+        if value is None:
+            return {}
+        if isinstance(value, dict) and "enabled" not in value:
+            warnings.warn(f"{key}: a LoRA mapping without `enabled` is deprecated and will be refused in the next "
+                          f"release; write {key}.enabled: true (the spelling of a CPT/SFT recipe's lora section)",
+                          DeprecationWarning, stacklevel=2)
+            return {**value, "enabled": True}
+        return value
 
 
 @dataclass
@@ -77,7 +97,8 @@ class LearnerConfig:
     max_tokens_per_microbatch: int = doc("token budget of one forward/backward on a rank: rows x their longest "
                                          "length (rounded up to whole blocks), rows sorted by length so padding "
                                          "stays small; 0 = a rank's whole share of a minibatch at once", 0)
-    lora: Optional[dict] = doc("PEFT LoRA {r, alpha, target_modules, dropout}; null = full fine-tuning", None)
+    lora: "LearnerLora" = doc("PEFT LoRA, spelled as a CPT/SFT recipe's `lora` section (enabled, r, alpha, dropout, "
+                              "target_modules); enabled false = full fine-tuning", default_factory=lambda: LearnerLora())
     max_staleness: int = doc("asynchronous RL: versions a sample's weights may lag the learner's; > 0 keeps that "
                              "many weight snapshots for the decoupled loss. In an RL recipe set trainer.max_staleness "
                              "(its one owner, copied here); this key is a deprecated alias of it", 0)
@@ -141,12 +162,10 @@ class LearnerConfig:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"learner.{name}: {why} (got {getattr(self, name)!r})")
-        if self.lora is not None:
-            unknown = set(self.lora) - {"r", "alpha", "target_modules", "dropout"}
-            if unknown:
-                raise ValueError(f"learner.lora: unknown keys {sorted(unknown)}; allowed r, alpha, target_modules, dropout")
-            if int(self.lora.get("r", 8)) < 1:
-                raise ValueError(f"learner.lora.r: must be >= 1 (got {self.lora.get('r')!r})")
+        try:
+            self.lora.validate()
+        except ValueError as err:
+            raise ValueError(f"learner.lora.{err}") from None
 
 
 def lr_factor(progress: float, cfg: LearnerConfig, step_frac: float = 0.0) -> float:

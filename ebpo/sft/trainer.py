@@ -104,11 +104,9 @@ class SFTTrainer:
 
     # ----------------------------------------------------------------------------------------- setup
     def _wrap_lora(self, base):
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        lc = self.cfg.lora
-        return get_peft_model(base, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                                               target_modules=list(lc.target_modules), bias="none"))
+        return get_peft_model(base, self.cfg.lora.peft_config())
 
     def _init_deepspeed(self) -> None:
         import deepspeed

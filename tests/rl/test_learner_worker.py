@@ -9,6 +9,7 @@ import torch
 from ebpo.core.algos import compute_advantages, ebpo_loss
 from ebpo.infra.config import ConfigError, build
 from ebpo.rl.learner import EBPOLearner, LearnerConfig, lr_factor
+from ebpo.rl.learner_config import LearnerLora
 from ebpo.core.likelihood import all_composites, draw_noise, response_mask_from_ids
 
 EOS, MASK = 1, 2
@@ -140,7 +141,7 @@ def test_lora_sync_merges_adapter_and_reference_is_base(small_model):
     batch, _ = toy_batch()
     base = copy.deepcopy(small_model)
     original = {k: v.clone() for k, v in base.state_dict().items()}
-    learner = EBPOLearner(base, LearnerConfig(lr=1e-2, n_draws=2, kl_beta=0.1, lora={"r": 4, "alpha": 8}))
+    learner = EBPOLearner(base, LearnerConfig(lr=1e-2, n_draws=2, kl_beta=0.1, lora=LearnerLora(enabled=True, r=4, alpha=8)))
     m = learner.update(batch)
     assert m["actor/kl"] == pytest.approx(0.0, abs=1e-6)  # first step: policy == reference
     learner.update(batch)
@@ -210,3 +211,18 @@ def test_rl_and_sft_share_one_lr_schedule():
     cfg = LearnerConfig(warmup_steps=2, total_steps=10, schedule="cosine")
     for p in (0.0, 0.5, 1.0, 2.0, 6.0, 9.5, 12.0):
         assert lr_factor(p, cfg, 0.5) == lr_schedule(p, 0.5, 2, 10, "cosine")
+
+
+def test_learner_lora_is_the_sft_section_and_the_old_mapping_is_a_deprecated_alias():
+    from ebpo.sft.config import LoraSection
+
+    assert issubclass(LearnerLora, LoraSection)  # one spelling: enabled, r, alpha, dropout, target_modules
+    assert build(LearnerConfig, {}, "learner.").lora.enabled is False
+    assert build(LearnerConfig, {"lora": None}, "learner.").lora.enabled is False  # ebpo 0.1: null = off
+    cfg = build(LearnerConfig, {"lora": {"enabled": True, "r": 4}}, "learner.")
+    assert (cfg.lora.enabled, cfg.lora.r, cfg.lora.alpha) == (True, 4, 16.0)  # the RL defaults otherwise
+    with pytest.warns(DeprecationWarning, match="learner.lora.enabled"):
+        old = build(LearnerConfig, {"lora": {"r": 4, "alpha": 8}}, "learner.")  # ebpo 0.1: a mapping = on
+    assert (old.lora.enabled, old.lora.r, old.lora.alpha) == (True, 4, 8.0)
+    with pytest.raises(ConfigError, match="learner.lora.r"):
+        build(LearnerConfig, {"lora": {"enabled": True, "r": 0}}, "learner.")
