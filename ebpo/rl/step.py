@@ -17,15 +17,15 @@ from typing import Iterator, Optional
 
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rollout.edits import edit_counts
+from rollout.edits import edit_counts, edit_metrics
 
 from ebpo.core.algos import compute_advantages
+from ebpo.infra.data import reference_ids
 from ebpo.rl.batch import filter_groups, first_groups, reward_metrics, rollout_metrics, zero_std_groups
 from ebpo.rl.prompts import derive_seed, reward_input
 from ebpo.rl.records import RolloutSample, StepRecord, build_learner_batch
 from ebpo.rl.setup import RLRun
 from ebpo.rl.weights import Weights
-from ebpo.sft.evaluation import edit_metrics, reference_ids
 
 
 @contextmanager
