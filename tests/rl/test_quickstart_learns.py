@@ -22,7 +22,7 @@ def test_three_quickstart_steps_teach_the_mixed_model_to_show_its_working(ray_lo
         "trainer.save_every=0"])
     from ebpo.rl.trainer import make_loop
 
-    trainer = make_loop(cfg, "quickstart")
+    trainer = make_loop(cfg)
     try:
         trainer.fit()
     finally:
