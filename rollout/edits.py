@@ -47,3 +47,19 @@ def edit_counts(edit_log, reference: list[int]) -> EditCounts:
             out.fixes += int(old != ref and new == ref)
             out.breaks += int(old == ref and new != ref)
     return out
+
+
+def edit_metrics(tasks: list[str], counts: list, prefix: str = "eval/") -> dict[str, float]:
+    """`<prefix><task>/{edit_precision,edits_per_seq,fixes_per_seq,breaks_per_seq}` over the rows of each task
+    whose `counts` entry (a `rollout.edits.EditCounts`) is not None (rows with a reference response)."""
+    by_task: dict[str, list] = {}
+    for t, c in zip(tasks, counts):
+        if c is not None:
+            by_task.setdefault(t, []).append(c)
+    m = {}
+    for t, cs in sorted(by_task.items()):
+        total = sum(cs, EditCounts())
+        n = len(cs)
+        m.update({f"{prefix}{t}/edit_precision": total.precision, f"{prefix}{t}/edits_per_seq": total.edits / n,
+                  f"{prefix}{t}/fixes_per_seq": total.fixes / n, f"{prefix}{t}/breaks_per_seq": total.breaks / n})
+    return m

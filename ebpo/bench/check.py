@@ -1,7 +1,8 @@
 """`ebpo bench check`: the headline ratios of the benchmarks against committed baselines.
 
-Runs `ebpo bench likelihood`, `ebpo bench decode` and `ebpo bench rewards` (each in a subprocess, with
---json), reads the ratios below and compares each with its baseline in docs/bench/ratios_baseline.json:
+Runs `ebpo bench likelihood`, `ebpo bench decode`, `ebpo bench rewards` and `ebpo bench learner --skip-w2`
+(each in a subprocess, with --json), reads the ratios below and compares each with its baseline in
+docs/bench/ratios_baseline.json:
 a higher-is-better ratio fails below baseline * (1 - tol), a lower-is-better one above baseline * (1 + tol).
 Ratios only: on a shared machine absolute times are noise, but a ratio of two timings taken side by side
 keeps most of its meaning. Prints a table and exits 1 when a ratio fails (2 when a benchmark fails to run).
@@ -60,6 +61,9 @@ RATIOS = [
           0.35, "decode tokens/s, prefix KV cache on vs off at batch 32 (m2t)"),
     Ratio("decode_cache_on_vs_off_batch1", "decode", lambda r: r["ratios"]["m2t"]["cache_speedup_batch1"], "higher",
           0.4, "decode tokens/s, prefix KV cache on vs off at batch 1 (m2t)"),
+    Ratio("learner_budget_vs_padded", "learner", lambda r: r["ratios"]["budget_vs_padded_paired"], "higher", 0.15,
+          "learner train tokens/s, token-budget micro-batches vs padded (responses 8x apart, 1 thread), median of "
+          "same-round pairs; the target is 1.5x"),
     Ratio("rewards_code_pool_vs_serial", "rewards", lambda r: r["code_pool_per_s"] / r["code_serial_per_s"], "higher",
           0.3, "sandboxed code executions/s, 2-worker pool vs serial"),
     Ratio("rewards_hang_overhead", "rewards", lambda r: r["hang_extra_s"] / r["hang_timeout_s"], "lower", 0.5,
@@ -82,6 +86,8 @@ def bench_commands(quick: bool, decode_sets: list[str]) -> dict[str, list[str]]:
         "memory": ["likelihood", "--skip-speed", "--memory-configs", "replay"],
         "decode": decode,
         "rewards": ["rewards", "--math-n", "200", "--code-n", "20", "--workers", "2", "--timeout", "2"],
+        # padded and budget interleaved in one process, one update of each per round (load hits both alike)
+        "learner": ["learner", "--skip-w2", "--threads", "1", "--repeats", "5" if quick else "7"],
     }
 
 

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def plan(cfg, gpus_per_node: int, gpu_mem_gb: float, nodes: int) -> dict:
     """The plan of a loaded `RLConfig` on `nodes` x `gpus_per_node` GPUs of `gpu_mem_gb` GB."""
     config = model_config(cfg.model)
-    lc = cfg.learner_config()
+    lc = cfg.learner
     K = lc.block_size or config.block_size
     max_new = int(cfg.rollout.decode.get("max_new_tokens", 256))
     seq = cfg.data.max_prompt_tokens + max_new
@@ -75,7 +75,7 @@ def plan(cfg, gpus_per_node: int, gpu_mem_gb: float, nodes: int) -> dict:
     mask_fraction = 0.5 * (1 + 1 / K) if lc.noise == "exact_elbo" else 0.5 * (lc.t_min + lc.t_max)
     shape = LearnerShape(ranks=lc.num_workers, dtype=lc.dtype, backend=lc.backend, zero_stage=lc.zero_stage,
                          offload_optimizer=lc.offload_optimizer, offload_param=lc.offload_param,
-                         reference_copy=lc.kl_beta > 0 and lc.lora is None, rows=rows, row_len=row_len,
+                         reference_copy=lc.kl_beta > 0 and not lc.lora.enabled, rows=rows, row_len=row_len,
                          response_len=max_new, draws_per_forward=draws, packed=lc.packed,
                          mask_fraction=mask_fraction, checkpointing=lc.gradient_checkpointing)
     learner = learner_memory(config, shape, profile)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ebpo.core.likelihood import NoiseDraws, _unwrap_hidden
+from ebpo.core.likelihood import NoiseDraws, unwrap_hidden
 from ebpo.core.noise import substitution_ids, t2t_substitute
 from ebpo.model.masks import packed_noisy_clean_mask, noisy_clean_position_ids
 
@@ -94,7 +94,7 @@ def draft_substitutes(model, input_ids: torch.Tensor, noise: NoiseDraws, chosen:
     for n in range(N):
         hole = (noise.masked[n] | chosen[n]).to(dev)
         noisy = input_ids.masked_fill(hole, mask_token_id)
-        h = _unwrap_hidden(model(input_ids=torch.cat([noisy, input_ids], 1), attention_mask=keep, position_ids=pos,
+        h = unwrap_hidden(model(input_ids=torch.cat([noisy, input_ids], 1), attention_mask=keep, position_ids=pos,
                                  return_logits=False))[:, :L]
         sel = chosen[n].to(dev).nonzero(as_tuple=True)
         if sel[0].numel() == 0:
@@ -142,13 +142,14 @@ def t2t_stats(noise: NoiseDraws) -> dict:
     return {"likelihood/substituted_per_seq": float(noise.substituted.float().sum(-1).mean())}
 
 
-def editing_draws(noise: NoiseDraws, input_ids: torch.Tensor, response_mask: torch.Tensor, cfg, model, model_config,
-                  update: int) -> NoiseDraws:
-    """The learner's editing-aware draws: `add_substitutions` with `cfg.t2t_{rate,weight,source}`, substitutes
-    drawn from every id but the mask and BOS tokens, and a generator seeded by `t2t_seed(cfg.seed, update)`
-    (its own, so the learner's main generator, hence the M2T draws and minibatch order, is untouched)."""
+def editing_draws(noise: NoiseDraws, input_ids: torch.Tensor, response_mask: torch.Tensor, *, rate: float,
+                  weight: float, source: str, seed: int, update: int, model, model_config) -> NoiseDraws:
+    """A learner's editing-aware draws: `add_substitutions` with these rate, weight and source, substitutes
+    drawn from every id but the mask and BOS tokens of `model_config`, and a generator seeded by
+    `t2t_seed(seed, update)` (its own, so the learner's main generator, hence the M2T draws and minibatch
+    order, is untouched). `update`: the learner's update count (0-based)."""
     allowed = substitution_ids(model_config.vocab_size, [model_config.mask_token_id, model_config.bos_token_id])
-    return add_substitutions(noise, input_ids, response_mask, rate=cfg.t2t_rate, weight=cfg.t2t_weight,
-                             source=cfg.t2t_source, allowed_ids=allowed, model=model,
-                             generator=torch.Generator().manual_seed(t2t_seed(cfg.seed, update)),
+    return add_substitutions(noise, input_ids, response_mask, rate=rate, weight=weight, source=source,
+                             allowed_ids=allowed, model=model,
+                             generator=torch.Generator().manual_seed(t2t_seed(seed, update)),
                              mask_token_id=model_config.mask_token_id)

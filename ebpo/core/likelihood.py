@@ -226,7 +226,7 @@ def gathered_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, use_mo
 # Composites
 # ----------------------------------------------------------------------------------------------------
 
-def _unwrap_hidden(out) -> torch.Tensor:
+def unwrap_hidden(out) -> torch.Tensor:
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
@@ -267,13 +267,13 @@ def composite_logprobs(model, input_ids: torch.Tensor, noise: NoiseDraws, draws:
         ids = torch.cat([noisy.permute(1, 0, 2).reshape(B, S * L), input_ids], dim=1)  # (B, (S+1)L)
         keep = packed_noisy_clean_mask(L, K, S, device=dev)[None, None]
         pos = noisy_clean_position_ids(L, S, device=dev)
-        h = _unwrap_hidden(model(input_ids=ids, attention_mask=keep, position_ids=pos, return_logits=False))
+        h = unwrap_hidden(model(input_ids=ids, attention_mask=keep, position_ids=pos, return_logits=False))
         h_noisy = h[:, : S * L].reshape(B, S, L, -1).transpose(0, 1)  # (S, B, L, H)
     else:
         ids = torch.cat([noisy, input_ids[None].expand(S, B, L)], dim=2).reshape(S * B, 2 * L)
         keep = packed_noisy_clean_mask(L, K, 1, device=dev)[None, None]
         pos = noisy_clean_position_ids(L, 1, device=dev)
-        h = _unwrap_hidden(model(input_ids=ids, attention_mask=keep, position_ids=pos, return_logits=False))
+        h = unwrap_hidden(model(input_ids=ids, attention_mask=keep, position_ids=pos, return_logits=False))
         h_noisy = h[:, :L].reshape(S, B, L, -1)
     return _scatter_composites(model, h_noisy, input_ids, scored, weight, K, return_blocks, use_module_head)
 
@@ -333,7 +333,7 @@ def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws,
         for b in range(first, nb, G):
             lo, hi = b * K, min((b + G) * K, L)
             x = torch.cat([noisy[:, :, lo:hi].reshape(S * B, hi - lo), input_ids[:, lo:hi]])
-            h = _unwrap_hidden(model(input_ids=x, attention_mask=CopyBlockLayout(S + 1, K),
+            h = unwrap_hidden(model(input_ids=x, attention_mask=CopyBlockLayout(S + 1, K),
                                      position_ids=torch.arange(lo, hi, device=dev), cache=cache,
                                      cache_rows=rows, return_logits=False))
             if hi < L:
@@ -349,7 +349,7 @@ def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws,
     full = packed_noisy_clean_mask(L, K, 1, device=dev)[:L]
     keep = torch.cat([full[:, L:], full[:, :L]], dim=1)[None, None]
     rows = [b for _ in range(S) for b in range(B)]
-    h = _unwrap_hidden(model(input_ids=noisy.reshape(S * B, L), attention_mask=keep, position_ids=pos,
+    h = unwrap_hidden(model(input_ids=noisy.reshape(S * B, L), attention_mask=keep, position_ids=pos,
                              cache=cache, cache_rows=rows, return_logits=False)).reshape(S, B, L, -1)
     return _scatter_composites(model, h, input_ids, scored, weight, K, return_blocks, use_module_head)
 
@@ -374,7 +374,7 @@ def composite_logprobs_blockwise(model, input_ids: torch.Tensor, noise: NoiseDra
             continue
         noisy_block = noisy[:, lo:hi]
         ids = torch.cat([input_ids[:, :lo], noisy_block], dim=1)
-        h = _unwrap_hidden(model(input_ids=ids, attention_mask=block_causal_mask(hi, K, device=dev)[None, None],
+        h = unwrap_hidden(model(input_ids=ids, attention_mask=block_causal_mask(hi, K, device=dev)[None, None],
                                  position_ids=torch.arange(hi, device=dev), return_logits=False))[:, lo:hi]
         rows, cols = m.nonzero(as_tuple=True)
         logp = gathered_logprobs(model, h[rows, cols], input_ids[rows, lo + cols], use_module_head)

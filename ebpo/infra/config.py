@@ -85,6 +85,9 @@ def build(cls, data: dict | None, prefix: str = ""):
 def _coerce(tp, value, key: str):
     origin, args = get_origin(tp), get_args(tp)
     if dataclasses.is_dataclass(tp):
+        upgrade = getattr(tp, "upgrade_spelling", None)  # a section's deprecated spelling, rewritten with a warning
+        if upgrade is not None and not isinstance(value, tp):
+            value = upgrade(value, key)
         return value if isinstance(value, tp) else build(tp, value, key + ".")
     if origin is Literal:
         if value not in args:

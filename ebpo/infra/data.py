@@ -223,3 +223,10 @@ class EpochSampler:
     def restore(self, state: dict) -> None:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self._order = self._make_order()
+
+
+def reference_ids(tokenizer, row: dict) -> list[int] | None:
+    """The row's correct completion as token ids ending with EOS (as SFT trains on it), None without `response`."""
+    if not row.get("response"):
+        return None
+    return tokenizer(str(row["response"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]

@@ -27,7 +27,7 @@ class ResilientActor:
         self.factory = factory
         self.max_retries = max_retries
         self.restarts = 0
-        self.on_event = on_event or (lambda msg: log.warning(msg))
+        self.on_event = on_event if on_event is not None else (lambda msg: log.warning(msg))  # an empty log is falsy
         self.handle = factory()
 
     def submit(self, method: str, *args, **kwargs):

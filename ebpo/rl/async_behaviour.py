@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ebpo.rl.learner_steps import micro_steps
+
 
 class BehaviourSnapshots:
     """Weight versions (CPU state dicts) the learner may still need as behaviour policies.
@@ -57,7 +59,7 @@ def check_versions(versions: torch.Tensor, current: int, max_staleness: int) -> 
 
 
 def behaviour_composites(learner, ids: torch.Tensor, noise, versions: torch.Tensor, plans, tokens: torch.Tensor,
-                         chunk: int) -> torch.Tensor:
+                         chunk: int, cached: bool) -> torch.Tensor:
     """(B, N) composites of each row under the weights of its version (rows of the current version get the
     current weights' values: the same numbers as the proximal pass).
 
@@ -76,32 +78,34 @@ def behaviour_composites(learner, ids: torch.Tensor, noise, versions: torch.Tens
         with torch.no_grad():
             for version in stale_versions:
                 learner.model.load_state_dict(learner.snapshots.get(version))
-                for micro, _ in plans:
-                    for rows in micro:
+                for plan in plans:
+                    for rows, _, _ in micro_steps(plan, pad=False):
                         of_version = versions[rows] == version
                         if not bool(of_version.any()):
                             continue
-                        mb_ids, mb_noise = learner._take(ids, noise, rows, tokens)
-                        c = learner._composites(learner.fwd, mb_ids, mb_noise, chunk)
+                        mb_ids, mb_noise = learner.micro_inputs(ids, noise, rows, tokens)
+                        c = learner.composites(learner.fwd, mb_ids, mb_noise, chunk, cached)
                         out[rows[of_version].to(dev)] = c[of_version.to(c.device)].to(dev)
     finally:
         learner.model.load_state_dict(live)
-    learner._sum_over_ranks(out)
+    learner.sum_over_ranks(out)
     return out
 
 
-def prepare_behaviour(learner, batch: dict, ids: torch.Tensor, noise, plans, tokens: torch.Tensor, chunk: int):
+def prepare_behaviour(learner, weight_version: torch.Tensor | None, ids: torch.Tensor, noise, plans,
+                      tokens: torch.Tensor, chunk: int, cached: bool):
     """Called by `EBPOLearner.update` after the old (proximal) pass, before any weight changes: with
-    `learner.max_staleness` > 0, checks `batch["weight_version"]` (B,) (default: all current), computes the
+    `learner.max_staleness` > 0, checks `weight_version` (B,) (None: all current), computes the
     stale rows' behaviour composites, snapshots the current weights and drops versions no longer needed.
     Returns None (synchronous learner) or (behav (B, N), stale (B,) bool) on the learner's device."""
     s = learner.cfg.max_staleness
     if s == 0:
         return None
     current = learner.updates_done
-    versions = torch.as_tensor(batch.get("weight_version", [current] * ids.shape[0])).long().cpu()
+    versions = (torch.full((ids.shape[0],), current, dtype=torch.long) if weight_version is None
+                else weight_version.long().cpu())
     check_versions(versions, current, s)
-    behav = behaviour_composites(learner, ids, noise, versions, plans, tokens, chunk)
+    behav = behaviour_composites(learner, ids, noise, versions, plans, tokens, chunk, cached)
     learner.snapshots.record(learner.model, current)
     learner.snapshots.prune(current + 1)
     return behav, (versions != current).to(learner.device)

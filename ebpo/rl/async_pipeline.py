@@ -7,10 +7,10 @@ function of its seed: the same samples whatever the timing, a resumed run repeat
 and a rollout worker that dies mid-flight redoes exactly the samples it lost. A sample is therefore at
 most s weight versions behind the learner that trains on it (exactly s once the run is past step s + 1
 and every step updates; fewer when a step had no update). With s = 0 the producer waits for every update:
-the synchronous loop, which the trainer runs without this thread.
+the synchronous loop, which `ebpo.rl.sync_loop` runs without this thread.
 
-Thread safety: the producer owns the prompt sampler; rollout workers are reached under the trainer's
-rollout lock (load a version, then generate); the learner is driven by the main thread only.
+Thread safety: the producer owns the prompt sampler; rollout workers are reached under
+`PolicyWeights.holding` (load a version, then generate); the learner is driven by the main thread only.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import threading
 import time
 from typing import Any, Callable
 
-Weights = tuple  # (version: int, ObjectRef of the learner's state dict)
+from ebpo.rl.records import StepRecord
+from ebpo.rl.weights import Weights
 
 
 class PipelineStopped(RuntimeError):
@@ -28,16 +29,16 @@ class PipelineStopped(RuntimeError):
 class RolloutPipeline:
     """Collects steps `first..last` in order on a background thread; `get(j)` hands step j to the learner.
 
-    collect(step, weights) -> record (a dict whose "times" dict receives `timing_s/wait_learner`).
+    collect(step, weights) -> the step's record (its `times` receive `timing_s/wait_learner`).
     weights: the weights after step `first - 1` (the learner's current ones). `ready`: records of steps
     already collected (restored in-flight steps of a checkpoint), `first` is then the step after them.
     """
 
-    def __init__(self, collect: Callable[[int, Weights], dict], first: int, last: int, max_staleness: int,
-                 weights: Weights, ready: dict[int, dict] | None = None):
+    def __init__(self, collect: Callable[[int, Weights], StepRecord], first: int, last: int, max_staleness: int,
+                 weights: Weights, ready: dict[int, StepRecord] | None = None):
         self.collect, self.last, self.s = collect, last, max_staleness
         self._cv = threading.Condition()
-        self._ready: dict[int, dict] = dict(ready or {})
+        self._ready: dict[int, StepRecord] = dict(ready or {})
         self._next = first
         done = first - 1 - len(self._ready)  # the last step the learner finished
         self._weights: dict[int, Weights] = {done: weights}  # step -> weights after it
@@ -66,7 +67,7 @@ class RolloutPipeline:
                         return
                     weights, waited = self._weights[self._source_step(step)], time.perf_counter() - t0
                 record = self.collect(step, weights)  # outside the lock: rollouts and rewards take seconds
-                record["times"]["timing_s/wait_learner"] = waited
+                record.times["timing_s/wait_learner"] = waited
                 with self._cv:
                     self._ready[step] = record
                     self._next = step + 1
@@ -77,7 +78,7 @@ class RolloutPipeline:
                 self._cv.notify_all()
 
     # -------------------------------------------------------------------------------------- main thread
-    def get(self, step: int) -> tuple[dict, float]:
+    def get(self, step: int) -> tuple[StepRecord, float]:
         """Wait for step `step`'s record; returns (record, seconds waited)."""
         t0 = time.perf_counter()
         with self._cv:
@@ -94,7 +95,7 @@ class RolloutPipeline:
                 del self._weights[old]
             self._cv.notify_all()
 
-    def in_flight(self, step: int) -> list[dict]:
+    def in_flight(self, step: int) -> list[StepRecord]:
         """Records of steps step+1 .. step+s (at most `last`), waiting for them: a checkpoint after `step`
         stores them, so that a resumed run trains on exactly the samples the uninterrupted run used."""
         wanted = range(step + 1, min(step + self.s, self.last) + 1)
@@ -125,43 +126,3 @@ def staleness_metrics(versions: list[int], learner_version: int) -> dict[str, An
         return {"async/staleness_mean": 0.0, "async/staleness_max": 0.0}
     lag = [learner_version - v for v in versions]
     return {"async/staleness_mean": sum(lag) / len(lag), "async/staleness_max": float(max(lag))}
-
-
-class AsyncSteps:
-    """The asynchronous parts of `ebpo.rl.trainer.RLTrainer` (a mixin: they use its actors, learner,
-    pipeline and weight versions)."""
-
-    def _start_pipeline(self) -> None:
-        """Start collecting steps ahead of the learner (ebpo/rl/async_pipeline.py); in-flight steps of a
-        restored checkpoint are handed over first."""
-        self.latest_weights = (self.weights.version, self.learner.state_dict_for_sync.remote())
-        ready = {r["step"]: r for r in self.in_flight}
-        self.pipeline = RolloutPipeline(self.collect, self.start_step + 1 + len(ready), self.cfg.trainer.steps,
-                                        self.cfg.trainer.max_staleness, self.latest_weights, ready)
-        self.in_flight = []
-
-    def _async_step(self, step: int) -> dict:
-        t_step = time.perf_counter()
-        record, waited = self.pipeline.get(step)
-        record["times"]["timing_s/wait_rollout"] = waited  # the learner's wait for this step's samples
-        self._last_record = {"sampler_after": record["sampler_after"]}
-        return self.learn(step, record, t_step)
-
-    def _stop_pipeline(self) -> None:
-        if self.pipeline is not None:
-            self.pipeline.stop()
-            self.pipeline = None
-
-    def _restart_weights(self) -> dict:
-        """Weights of a (re)started rollout worker: the last synced ones, or in asynchronous mode the version
-        the pipeline loaded, so that the retried work samples exactly what the lost work would have."""
-        if self.rollout_weights is not None:
-            return {"weights": self.rollout_weights[1], "weights_version": self.rollout_weights[0]}
-        return {"weights": self.weights.restart_weights(), "weights_version": self.weights.version}
-
-    def publish_weights(self) -> dict[str, float]:
-        """Asynchronous mode: the learner's new weights go into the object store as the next version; the
-        pipeline loads them into the rollout workers when a step needs them."""
-        self.weights.version += 1
-        self.latest_weights = (self.weights.version, self.learner.state_dict_for_sync.remote())
-        return {}

@@ -1,6 +1,7 @@
-"""Pure helpers of the RL step: turn rollouts into the learner's batch and into metrics.
+"""Pure helpers of the RL step: group filters and the step's reward and rollout metrics.
 
-No Ray, no I/O: the trainer calls these between the workers.
+No Ray, no I/O: `ebpo.rl.step.collect` calls these between the workers (the learner's batch is built by
+`ebpo.rl.records.build_learner_batch`).
 """
 from __future__ import annotations
 
@@ -8,43 +9,7 @@ import math
 
 import torch
 
-
-def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], advantages: torch.Tensor,
-                        group_ids: torch.Tensor, pad_id: int, tail_ids: list[list[int]] | None = None) -> dict:
-    """Right-padded learner batch.
-
-    prompt_ids[i], response_ids[i]: token ids (the response ends at its first EOS, EOS included, or is
-    cut at max_new_tokens). tail_ids[i] (optional): what the sampler's canvas holds after the response up
-    to the end of the response's last block (the rest of that block: tokens after the EOS, or past
-    max_new_tokens for a cut response). The tail is appended and scored with the response, so the
-    learner's sequence is the canvas the sampler really produced, block for block (docs/ebpo.md, "The
-    last block"). Without tails, positions after the response are `pad_id` and not scored.
-    Returns `input_ids` (B, L) long, `prompt_lens` (B,), `response_lens` (B,) (the response without its
-    tail), `response_mask` (B, L) bool marking scored positions (response and tail, never padding),
-    `advantages` (B,) fp32, `group_ids` (B,) long.
-    """
-    B = len(prompt_ids)
-    tails = tail_ids if tail_ids is not None else [[] for _ in range(B)]
-    if len(tails) != B:
-        raise ValueError(f"tail_ids: {len(tails)} tails for {B} responses")
-    scored = [list(r) + list(t) for r, t in zip(response_ids, tails)]
-    lens = [len(p) + len(r) for p, r in zip(prompt_ids, scored)]
-    L = max(lens)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    response_mask = torch.zeros(B, L, dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompt_ids, scored)):
-        input_ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        if r:
-            input_ids[i, len(p): len(p) + len(r)] = torch.tensor(r, dtype=torch.long)
-            response_mask[i, len(p): len(p) + len(r)] = True
-    return {
-        "input_ids": input_ids,
-        "prompt_lens": torch.tensor([len(p) for p in prompt_ids], dtype=torch.long),
-        "response_lens": torch.tensor([len(r) for r in response_ids], dtype=torch.long),
-        "response_mask": response_mask,
-        "advantages": advantages.float(),
-        "group_ids": group_ids.long(),
-    }
+from ebpo.rl.records import RolloutSample
 
 
 def zero_std_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -69,14 +34,14 @@ def reward_metrics(scores: torch.Tensor, group_ids: torch.Tensor, per_fn: dict[s
     return m
 
 
-def rollout_metrics(samples: list[dict], max_new_tokens: int, seconds: float) -> dict:
+def rollout_metrics(samples: list[RolloutSample], max_new_tokens: int, seconds: float) -> dict:
     """`response_length/{mean,max,clip_ratio}`, `decode/{tpf,forwards,edits_per_seq}`, `perf/rollout_tokens_per_s`.
 
     clip_ratio: fraction of responses that reached max_new_tokens without producing EOS.
     """
-    lengths = [len(s["token_ids"]) for s in samples]
-    clipped = [(not s["finished_by_eos"]) and len(s["token_ids"]) >= max_new_tokens for s in samples]
-    forwards = [s["num_forwards"] for s in samples]
+    lengths = [len(s.token_ids) for s in samples]
+    clipped = [(not s.finished_by_eos) and len(s.token_ids) >= max_new_tokens for s in samples]
+    forwards = [s.num_forwards for s in samples]
     n = max(len(samples), 1)
     return {
         "response_length/mean": sum(lengths) / n,
@@ -84,7 +49,7 @@ def rollout_metrics(samples: list[dict], max_new_tokens: int, seconds: float) ->
         "response_length/clip_ratio": sum(clipped) / n,
         "decode/tpf": sum(lengths) / max(sum(forwards), 1),
         "decode/forwards": sum(forwards) / n,
-        "decode/edits_per_seq": sum(s["num_edits"] for s in samples) / n,
+        "decode/edits_per_seq": sum(s.num_edits for s in samples) / n,
         "perf/rollout_tokens_per_s": sum(lengths) / max(seconds, 1e-9),
     }
 

@@ -1,15 +1,25 @@
 """Typed configuration of an RL (EBPO) recipe: `ebpo train recipes/rl_*.yaml key=value ...`.
 
-Sections: `model`, `data`, `rollout`, `reward`, `learner` (fields of `ebpo.rl.learner_config.LearnerConfig`),
-`trainer`, `ray`. `ebpo train RECIPE.yaml --help` lists every key with its documentation (`describe_keys`).
+Sections: `model`, `data`, `rollout`, `reward`, `learner` (`ebpo.rl.learner_config.LearnerConfig`),
+`trainer`, `ray`. `ebpo train RECIPE.yaml --help` lists every key with its documentation. The whole
+configuration, the learner section included, is built and validated once, by `load_config`, and the
+learner ranks receive that `LearnerConfig` object as it is.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import asdict, dataclass
 from typing import Literal, Optional, Union
 
-from ebpo.infra.config import ConfigError, build, describe, doc
+from rewards import check_timeout_budget
+from rollout.config import DecodeConfig
+
+from ebpo.infra.config import ConfigError, doc
+from ebpo.model.configuration_llada2_moe import LLaDA2MoeConfig
+from ebpo.model.loading import resolve_model_path
+from ebpo.model.presets import load_preset
+from ebpo.rl.learner_config import LearnerConfig
 
 
 @dataclass
@@ -80,7 +90,6 @@ class RewardConfig:
             raise ValueError("reward.fns: at least one reward needs judge: true (it decides held-out accuracy)")
         if self.timeout_s <= 0:
             raise ValueError("reward.timeout_s: must be positive")
-        from rewards import check_timeout_budget
 
         # the hard per-call kill must outlast a code reward's own deadlines, or honest slow programs die
         check_timeout_budget([(f.fn, f.weight, f.kwargs) for f in self.fns], self.timeout_s)
@@ -177,21 +186,37 @@ class RLConfig:
     data: DataConfig = doc("prompts", default_factory=DataConfig)
     rollout: RolloutConfig = doc("rollout workers and decoding", default_factory=RolloutConfig)
     reward: RewardConfig = doc("reward functions and workers", default_factory=RewardConfig)
-    learner: dict = doc("fields of ebpo.rl.learner_config.LearnerConfig (validated at start-up)", default_factory=dict)
+    learner: LearnerConfig = doc("the EBPO learner (ebpo.rl.learner_config.LearnerConfig); total_steps and seed "
+                                 "default to trainer.steps and trainer.seed", default_factory=LearnerConfig)
     trainer: TrainerConfig = doc("loop, evaluation, checkpoints, tracking", default_factory=TrainerConfig)
     ray: RayConfig = doc("cluster and resources", default_factory=RayConfig)
 
-    def learner_config(self):
-        """The `learner` section as a checked `LearnerConfig`: the recipe's fields over defaults derived from
-        the trainer (`total_steps` = trainer.steps, `seed` = trainer.seed). Raises ConfigError naming the key."""
-        from ebpo.rl.learner_config import LearnerConfig
-
-        if self.trainer.max_staleness > 0 and self.ray.weight_sync != "object_store":
-            raise ConfigError(f"trainer.max_staleness = {self.trainer.max_staleness} needs ray.weight_sync=object_store "
+    def validate(self):
+        """Cross-section checks, and the learner fields an RL recipe derives from its trainer section:
+        `learner.total_steps` (unset = trainer.steps), `learner.seed` (unset = trainer.seed) and
+        `learner.max_staleness` (always trainer.max_staleness, its one owner)."""
+        lc, tc = self.learner, self.trainer
+        if lc.max_staleness and lc.max_staleness != tc.max_staleness:
+            if tc.max_staleness:
+                raise ConfigError(f"learner.max_staleness = {lc.max_staleness} conflicts with trainer.max_staleness = "
+                                  f"{tc.max_staleness}; set trainer.max_staleness only (it sets the learner's)")
+            warnings.warn("learner.max_staleness is deprecated and will be removed in the next release; set "
+                          "trainer.max_staleness instead", DeprecationWarning, stacklevel=2)
+            tc.max_staleness = lc.max_staleness
+            tc.validate()
+        lc.max_staleness = tc.max_staleness
+        if lc.total_steps is None:
+            lc.total_steps = tc.steps
+        if lc.seed is None:
+            lc.seed = tc.seed
+        try:
+            lc.validate()  # again: max_staleness and total_steps were set above
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if tc.max_staleness > 0 and self.ray.weight_sync != "object_store":
+            raise ConfigError(f"trainer.max_staleness = {tc.max_staleness} needs ray.weight_sync=object_store "
                               f"(got {self.ray.weight_sync!r}): the rollout workers load older weight versions "
                               "from the object store")
-        return build(LearnerConfig, {"total_steps": self.trainer.steps, "seed": self.trainer.seed, **self.learner,
-                                     "max_staleness": self.trainer.max_staleness}, "learner.")
 
     def check_against_model(self, model_block_size: int) -> list[str]:
         """Start-up checks that need the model: returns warnings, raises ConfigError on a block-size mismatch.
@@ -202,17 +227,15 @@ class RLConfig:
         (`rollout.decode.mbe_window` > 0) rewrite finished blocks after later ones exist, a sample the
         block-causal ELBO does not represent: allowed, with a warning.
         """
-        from rollout.config import DecodeConfig
-
         decode = DecodeConfig.preset(self.rollout.preset, **self.rollout.decode)
-        learner_k = self.learner_config().block_size or model_block_size
+        learner_k = self.learner.block_size or model_block_size
         rollout_k = decode.block_size or model_block_size
         if learner_k != rollout_k:
             def origin(value):
                 return "set" if value else f"unset: the model's block_size {model_block_size}"
 
             raise ConfigError(
-                f"learner.block_size = {learner_k} ({origin(self.learner.get('block_size'))}) differs from "
+                f"learner.block_size = {learner_k} ({origin(self.learner.block_size)}) differs from "
                 f"rollout.decode.block_size = {rollout_k} ({origin(self.rollout.decode.get('block_size'))}): the "
                 "learner would score responses with a block partition the sampler never used; set both to "
                 "the same value (or leave both unset)")
@@ -224,28 +247,14 @@ class RLConfig:
         return warnings
 
     def resolved(self) -> dict:
-        """The configuration as a plain dict with the learner section filled in (what `--print-config` shows)."""
-        from dataclasses import asdict
-
-        return {**asdict(self), "learner": asdict(self.learner_config())}
-
-    @staticmethod
-    def describe_keys() -> list[str]:
-        """Every key of an RL recipe, `learner.*` included: `dotted.key (type, default): documentation`."""
-        from ebpo.rl.learner_config import LearnerConfig
-
-        return describe(RLConfig) + describe(LearnerConfig, "learner.")
+        """The configuration as a plain dict (what `--print-config` shows and `config.yaml` holds)."""
+        return asdict(self)
 
 
 def model_block_size(spec: str) -> int:
     """`block_size` of the model a recipe names (a folder, a shipped name or `preset:NAME[@seed]`), read from
     its configuration only (no weights are loaded)."""
-    from ebpo.model.loading import resolve_model_path
-    from ebpo.model.presets import load_preset
-
     path = resolve_model_path(spec)
     if path.startswith("preset:"):
         return int(load_preset(path[len("preset:"):].partition("@")[0]).block_size)
-    from ebpo.model.configuration_llada2_moe import LLaDA2MoeConfig
-
     return int(LLaDA2MoeConfig.from_pretrained(path).block_size)

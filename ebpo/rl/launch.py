@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ebpo.infra.config import ConfigError
+
 
 def in_ray_job() -> bool:
     """True inside the entrypoint of `ray job submit` (Ray sets this variable for the job's driver)."""
@@ -21,8 +23,6 @@ def resolve_run_dir(run_dir: str | None, name: str) -> Path:
     Inside a Ray job the working directory is Ray's temporary copy of the uploaded folder, deleted with
     the cluster session, so a relative (or default) run directory there would lose the checkpoints: it is
     refused with a ConfigError naming trainer.run_dir."""
-    from ebpo.infra.config import ConfigError
-
     path = Path(run_dir) if run_dir else Path(f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if in_ray_job() and not path.is_absolute():
         raise ConfigError(f"trainer.run_dir: {str(path)!r} is relative, and this is a Ray job whose working "

@@ -6,9 +6,10 @@ Optional PEFT LoRA: the reference policy is then the base model with the adapter
 `nn.Linear` modules only, so it reaches attention (`query_key_value`, `dense`), the dense MLP of the
 first layers and the shared experts; routed experts are stacked `nn.Parameter`s and stay frozen.
 
-Batch (dict of tensors, right-padded, see `update`): `input_ids` (B, L), `prompt_lens` (B,),
-`response_mask` (B, L) bool (optional: computed by `response_mask_from_ids`), `advantages` (B,),
-`group_ids` (B,) (carried for bookkeeping; advantages arrive already normalised per prompt group).
+Batch: an `ebpo.rl.records.LearnerBatch` (or a dict of its fields, converted by
+`LearnerBatch.from_mapping`): `input_ids` (B, L), `prompt_lens` (B,), `response_mask` (B, L) bool,
+`advantages` (B,) already normalised per prompt group, `weight_version` (B,) in asynchronous RL.
+Public API for the other learner modules: `micro_inputs`, `composites`, `sum_over_ranks`, `micro_steps`.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
+from typing import Mapping, Union
 
+import peft
 import torch
 
 from ebpo.model import enable_activation_checkpointing
@@ -27,12 +30,16 @@ from ebpo.core.offpolicy import decoupled_ebpo_loss
 from ebpo.infra.distributed import all_reduce_grads, init_distributed
 from ebpo.rl.learner_config import LORA_TARGETS, LearnerConfig, lr_factor  # noqa: F401 (re-exported)
 from ebpo.rl.async_behaviour import BehaviourSnapshots, behaviour_of_rows, prepare_behaviour
+from ebpo.rl.learner_steps import UpdateState, micro_steps
+from ebpo.rl.records import LearnerBatch
 from ebpo.rl.sharding import balance_by_tokens, loss_weight, padded_lengths, token_microbatches
+from ebpo.rl.weight_stream import WeightStreamer
 from ebpo.core.editing import editing_draws, t2t_stats
-from ebpo.core.likelihood import all_composites, direct_backward, draw_noise, replay_backward, response_mask_from_ids
+from ebpo.core.likelihood import all_composites, direct_backward, draw_noise, replay_backward
+from ebpo.model.loading import load_model
 
 
-class _Forward:
+class PolicyForward:
     """What the likelihood functions need: `__call__` (through the engine, so its hooks run) and the LM head."""
 
     def __init__(self, call, module):
@@ -49,7 +56,7 @@ class _Forward:
         return self._module.config
 
 
-def _autocast(module, device_type: str):
+def autocast_call(module, device_type: str):
     """`module(...)` run under bf16 autocast on `device_type`."""
     def call(*args, **kwargs):
         with torch.autocast(device_type, dtype=torch.bfloat16):
@@ -62,13 +69,11 @@ class EBPOLearner:
 
     def __init__(self, model_or_path, config: LearnerConfig | None = None, **overrides):
         cfg = config or LearnerConfig()
-        if overrides:
+        if overrides:  # a config built here is checked here; one from a recipe was checked when it was built
             cfg = LearnerConfig(**{**asdict(cfg), **overrides})
-        cfg.validate()
+            cfg.validate()
         self.cfg = cfg
         if isinstance(model_or_path, str):
-            from ebpo.model.loading import load_model
-
             model_or_path = load_model(model_or_path)
         base = model_or_path
         self.model_config = base.config
@@ -81,20 +86,15 @@ class EBPOLearner:
             dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             base = base.to(dev)
         self.ref_model = None
-        if cfg.lora is not None:
-            from peft import LoraConfig, get_peft_model
-
-            lcfg = LoraConfig(r=int(cfg.lora.get("r", 8)), lora_alpha=float(cfg.lora.get("alpha", 16)),
-                              target_modules=list(cfg.lora.get("target_modules", LORA_TARGETS)),
-                              lora_dropout=float(cfg.lora.get("dropout", 0.0)), bias="none")
-            self.model = get_peft_model(base, lcfg)
+        if cfg.lora.enabled:
+            self.model = peft.get_peft_model(base, cfg.lora.peft_config())
         else:
             self.model = base
             if cfg.kl_beta > 0:  # frozen reference = the initial policy
                 self.ref_model = copy.deepcopy(base).eval().requires_grad_(False)
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         self.engine = None
         n_backward = math.ceil(cfg.n_draws / cfg.replay_chunk) if cfg.grad_replay else 1
         self._n_backward = n_backward
@@ -108,7 +108,7 @@ class EBPOLearner:
             raise ValueError(f"learner.num_workers={cfg.num_workers} but the process group has {self.world_size} "
                              "ranks")
         if cfg.backend == "deepspeed":
-            import deepspeed
+            import deepspeed  # here, not at the top: importing it is slow and probes the accelerator
 
             zero = {"stage": cfg.zero_stage}
             if cfg.offload_optimizer:
@@ -132,29 +132,34 @@ class EBPOLearner:
                 ds_config["zero_force_ds_cpu_optimizer"] = False
             self.engine, self.optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=self.optimizer,
                                                                      config=ds_config)
-            self.fwd = _Forward(self.engine, self.model)
+            self.fwd = PolicyForward(self.engine, self.model)
         elif cfg.dtype == "bf16":
             # fp32 weights stay the master copy; matmuls run in bf16. `gathered_logprobs` turns autocast off
             # for the LM head and log-softmax, and composites are summed in fp32.
             dev_type = next(self.model.parameters()).device.type
-            self.fwd = _Forward(_autocast(self.model, dev_type), self.model)
+            self.fwd = PolicyForward(autocast_call(self.model, dev_type), self.model)
         else:
-            self.fwd = _Forward(self.model, self.model)
+            self.fwd = PolicyForward(self.model, self.model)
         self.device = next(self.model.parameters()).device
-        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.generator = torch.Generator().manual_seed(cfg.seed or 0)  # unset: a learner built on its own
         self.updates_done = 0
         self.snapshots = BehaviourSnapshots(cfg.max_staleness)  # past weight versions (asynchronous RL)
         self.lr_now = cfg.lr * lr_factor(0.0, cfg)
 
+    @property
+    def gathers_weights(self) -> bool:
+        """True when reading the full weights is a collective over the ranks (DeepSpeed ZeRO-3, no LoRA)."""
+        return self.engine is not None and self.cfg.zero_stage == 3 and not self.cfg.lora.enabled
+
     # ------------------------------------------------------------------------------------------------
     def _ref_context(self):
-        if self.cfg.lora is not None:
+        if self.cfg.lora.enabled:
             return self.model.disable_adapter()
         return nullcontext()
 
     def _ref_forward(self):
         if self.ref_model is not None:
-            return _Forward(self.ref_model, self.ref_model)
+            return PolicyForward(self.ref_model, self.ref_model)
         return self.fwd
 
     def _set_lr(self, value: float) -> None:
@@ -168,11 +173,11 @@ class EBPOLearner:
         else:
             t.backward()
 
-    def _optimizer_step(self, loss_finite: bool = True) -> float:
+    def _optimizer_step(self, state: UpdateState, loss_finite: bool = True) -> float:
         """Clip, step, zero grads; returns the pre-clip global grad norm.
 
         A step whose loss (`loss_finite` False) or grad norm is not finite is skipped (gradients dropped,
-        weights and optimizer state untouched) and counted in `self._nonfinite` (`actor/nonfinite_steps`).
+        weights and optimizer state untouched) and counted in `state.nonfinite` (`actor/nonfinite_steps`).
         """
         if self.engine is not None:
             # engine.step() is a no-op until the accumulation boundary; our backward calls per
@@ -181,7 +186,7 @@ class EBPOLearner:
             # overflow check on) and reports the norm as inf: counted here.
             norm = self.engine.get_global_grad_norm() if hasattr(self.engine, "get_global_grad_norm") else None
             norm = float(norm) if norm is not None else float("nan")
-            self._nonfinite += int(not (loss_finite and math.isfinite(norm)))
+            state.nonfinite += int(not (loss_finite and math.isfinite(norm)))
             return norm
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.world_size > 1:
@@ -191,44 +196,31 @@ class EBPOLearner:
         else:
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
         if not (loss_finite and math.isfinite(float(norm))):  # NaN would reach the weights and Adam's moments
-            self._nonfinite += 1
+            state.nonfinite += 1
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
     # ------------------------------------------------------------------------------------------------
-    def _check_batch(self, batch: dict) -> dict:
-        for key in ("input_ids", "prompt_lens", "advantages"):
-            if key not in batch:
-                raise ValueError(f"batch: missing field {key!r} (have {sorted(batch)})")
-        ids = torch.as_tensor(batch["input_ids"]).long()
-        if ids.dim() != 2:
-            raise ValueError(f"batch.input_ids: expected (B, L), got {tuple(ids.shape)}")
-        B, L = ids.shape
-        prompt_lens = torch.as_tensor(batch["prompt_lens"]).long()
-        adv = torch.as_tensor(batch["advantages"]).float()
-        for key, t in (("prompt_lens", prompt_lens), ("advantages", adv)):
-            if t.shape != (B,):
-                raise ValueError(f"batch.{key}: expected shape ({B},), got {tuple(t.shape)}")
-        if "response_mask" in batch and batch["response_mask"] is not None:
-            resp = torch.as_tensor(batch["response_mask"]).bool()
-            if resp.shape != (B, L):
-                raise ValueError(f"batch.response_mask: expected shape ({B}, {L}), got {tuple(resp.shape)}")
-        else:
-            resp = response_mask_from_ids(ids, prompt_lens, self.eos_id)
+    def _check_batch(self, batch: Union[LearnerBatch, Mapping]) -> tuple[LearnerBatch, torch.Tensor, torch.Tensor]:
+        """The batch as a checked record (a dict is converted: `LearnerBatch.from_mapping`), each row's
+        response length (B,) fp32 and prompt + response length (B,) long."""
+        b = batch if isinstance(batch, LearnerBatch) else LearnerBatch.from_mapping(batch, self.eos_id)
+        resp, L = b.response_mask, b.input_ids.shape[1]
         # prompt + response length of each row: the last response position + 1 (the prompt alone if empty)
         last = L - resp.flip(1).to(torch.uint8).argmax(1)
-        seq_lens = torch.where(resp.any(1), last, prompt_lens.clamp(max=L))
-        return {"input_ids": ids, "response_mask": resp, "advantages": adv,
-                "lengths": resp.sum(1).float(), "seq_lens": seq_lens}
+        seq_lens = torch.where(resp.any(1), last, b.prompt_lens.clamp(max=L))
+        return b, resp.sum(1).float(), seq_lens
 
-    def _composites(self, fwd, ids, noise, chunk, blocks=False):
+    def composites(self, fwd, ids: torch.Tensor, noise, chunk: int, cached: bool, blocks: bool = False):
+        """No-grad composites (B, N) of micro-batch inputs `ids` (b, l) under `fwd` (the live policy, or the
+        reference); with blocks=True also the per-block values (b, N, nb)."""
         return all_composites(fwd, ids, noise, self.mask_id, packed=self.cfg.packed, chunk=chunk,
                               return_blocks=blocks, use_module_head=self.cfg.zero_stage == 3 and self.engine is not None,
-                              cached=self._cached)
+                              cached=cached)
 
-    def update(self, batch: dict) -> dict:
+    def update(self, batch: Union[LearnerBatch, Mapping]) -> dict:
         """One RL step: old (and ref) composites without grad, then mu epochs x minibatches of EBPO.
 
         Every rank of a learner group calls it with the same batch: noise draws and minibatch order come
@@ -239,25 +231,27 @@ class EBPOLearner:
         likelihood stats `likelihood/*` of the old policy, and `timing_s/{old_logprob,update}`.
         """
         cfg = self.cfg
-        b = self._check_batch(batch)
+        b, lengths, seq_lens = self._check_batch(batch)
         dev = self.device
-        ids, resp = b["input_ids"].to(dev), b["response_mask"]
-        adv, lengths = b["advantages"].to(dev), b["lengths"].to(dev)
+        ids, resp = b.input_ids.to(dev), b.response_mask
+        adv, lengths = b.advantages.to(dev), lengths.to(dev)
         B = ids.shape[0]
         noise = draw_noise(resp, self.block_size, cfg.n_draws, cfg.t_min, cfg.t_max, self.generator, cfg.noise)
         if cfg.t2t_weight > 0:  # a generator of its own: the M2T draws and minibatch order stay the mask-only ones
-            noise = editing_draws(noise, ids, resp, cfg, self.fwd, self.model_config, self.updates_done)
+            noise = editing_draws(noise, ids, resp, rate=cfg.t2t_rate, weight=cfg.t2t_weight, source=cfg.t2t_source,
+                                  seed=cfg.seed or 0, update=self.updates_done, model=self.fwd,
+                                  model_config=self.model_config)
         perm = torch.randperm(B, generator=self.generator)
         mbs = list(perm.split(cfg.minibatch_size or B))
         if min(len(mb) for mb in mbs) < self.world_size:
             raise ValueError(f"learner: a minibatch of {min(len(mb) for mb in mbs)} sequences cannot be split "
                              f"over learner.num_workers={self.world_size} ranks; raise learner.minibatch_size")
-        tokens = padded_lengths(b["seq_lens"], self.block_size)
+        tokens = padded_lengths(seq_lens, self.block_size)
         plans = [self._plan(mb, tokens) for mb in mbs]
         # Current values inside replay use `nograd_chunk`; direct backprop uses one forward of all draws.
         # Old values use the same chunking so that at the first step current == old bit for bit.
         chunk = cfg.nograd_chunk if cfg.grad_replay else 0
-        self._cached = cfg.nograd_cached and cfg.grad_replay
+        state = UpdateState(cached=cfg.nograd_cached and cfg.grad_replay)
         # On-policy shortcut: with one epoch over one minibatch and no reference, the old composites
         # are the current ones of the same draws (same chunking: bit for bit), so the update's own
         # forward supplies them instead of a separate no-grad pass (ratio 1, identical gradient).
@@ -270,70 +264,65 @@ class EBPOLearner:
         # with fewer micro-batches repeats one row and discards the result.
         pad = self.engine is not None and self.world_size > 1
         with torch.no_grad():
-            for micro, n_micro in ([] if on_policy else plans):
-                for s in range(n_micro if pad else len(micro)):
-                    real = s < len(micro)
-                    rows = micro[s] if real else micro[0][:1]
-                    mb_ids, mb_noise = self._take(ids, noise, rows, tokens)
-                    c, blk = self._composites(self.fwd, mb_ids, mb_noise, chunk, blocks=True)
+            for plan in ([] if on_policy else plans):
+                for rows, real, _ in micro_steps(plan, pad):
+                    mb_ids, mb_noise = self.micro_inputs(ids, noise, rows, tokens)
+                    c, blk = self.composites(self.fwd, mb_ids, mb_noise, chunk, state.cached, blocks=True)
                     r = None
                     if ref is not None:
                         with self._ref_context():
-                            r = self._composites(self._ref_forward(), mb_ids, mb_noise, chunk)
+                            r = self.composites(self._ref_forward(), mb_ids, mb_noise, chunk, state.cached)
                     if real:
                         old[rows.to(dev)] = c
                         blocks[rows.to(dev), :, : blk.shape[-1]] = blk
                         if ref is not None:
                             ref[rows.to(dev)] = r
             if not on_policy:
-                self._sum_over_ranks(old, blocks, *([ref] if ref is not None else []))
-        behaviour = prepare_behaviour(self, batch, ids, noise, plans, tokens, chunk)  # None unless asynchronous
+                self.sum_over_ranks(old, blocks, *([ref] if ref is not None else []))
+        # None unless asynchronous
+        behaviour = prepare_behaviour(self, b.weight_version, ids, noise, plans, tokens, chunk, state.cached)
         t_old = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         sums: dict[str, float] = {}
         lr_max, n_steps, n_total = 0.0, 0, cfg.mu * len(mbs)
-        self._nonfinite = 0  # optimizer steps skipped for a non-finite loss or gradient norm
         for _ in range(cfg.mu):
             for j in torch.randperm(len(mbs), generator=self.generator).tolist():
                 self._set_lr(cfg.lr * lr_factor(self.updates_done + n_steps / n_total, cfg, 1.0 / n_total))
-                micro, n_micro = plans[j]
                 parts = []  # (rows, metrics) of this rank's micro-batches
-                for s in range(n_micro):
-                    # DeepSpeed reduces gradients inside every backward, so all ranks run n_micro of them;
-                    # a rank with fewer micro-batches repeats one row with weight 0.
-                    real = s < len(micro)
-                    rows = micro[s] if real else micro[0][:1]
+                # DeepSpeed reduces gradients inside every backward, so all ranks run n_micro of them; a rank
+                # with fewer micro-batches repeats one row with weight 0.
+                for rows, real, last in micro_steps(plans[j], pad=True):
                     weight = loss_weight(len(rows), len(mbs[j])) if real else 0.0
                     if self.engine is not None:
                         weight *= self.world_size  # DeepSpeed averages gradients over ranks; we want the sum
-                    m, cur = self._micro_step(ids, noise, rows, tokens, old, adv, lengths, ref, weight,
-                                              on_policy, last=s == n_micro - 1, behaviour=behaviour)
+                    m, cur = self._micro_step(state, ids, noise, rows, tokens, old, adv, lengths, ref, weight,
+                                              on_policy, last=last, behaviour=behaviour)
                     if on_policy and real:  # the behaviour policy's values, for the likelihood stats
                         old[rows.to(dev)] = cur[0].to(dev)
                         blocks[rows.to(dev), :, : cur[1].shape[-1]] = cur[1].to(dev)
                     if real:
                         parts.append((len(rows), m))
                 m = self._reduce_metrics(parts, len(mbs[j]))
-                m["grad_norm"] = self._optimizer_step(math.isfinite(m["pg_loss"]) and math.isfinite(m["kl"]))
+                m["grad_norm"] = self._optimizer_step(state, math.isfinite(m["pg_loss"]) and math.isfinite(m["kl"]))
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 lr_max = max(lr_max, m["log_ratio_max"])
                 n_steps += 1
         if on_policy:
-            self._sum_over_ranks(old, blocks)
+            self.sum_over_ranks(old, blocks)
         self.updates_done += 1
         metrics = {f"actor/{k}": v / n_steps for k, v in sums.items()}
         metrics["actor/log_ratio_max"] = lr_max
         metrics["actor/lr"] = self.lr_now
-        metrics["actor/nonfinite_steps"] = float(self._nonfinite)  # a count per update, not a mean
+        metrics["actor/nonfinite_steps"] = float(state.nonfinite)  # a count per update, not a mean
         metrics.update(self._likelihood_stats(old, blocks, noise, resp, lengths), **t2t_stats(noise))
         metrics["timing_s/old_logprob"] = t_old
         metrics["timing_s/update"] = time.perf_counter() - t0
         return metrics
 
-    def _micro_step(self, ids, noise, rows, tokens, old, adv, lengths, ref, weight: float, on_policy: bool,
-                    last: bool, behaviour=None):
+    def _micro_step(self, state: UpdateState, ids, noise, rows, tokens, old, adv, lengths, ref, weight: float,
+                    on_policy: bool, last: bool, behaviour=None):
         """Forward and backward of one micro-batch `rows`; its loss is the EBPO loss of these rows times
         `weight`. Returns (metrics of the rows, composites (C, blocks) of the rows or C)."""
         cfg, dev = self.cfg, self.device
@@ -351,17 +340,21 @@ class EBPOLearner:
                                            cfg.eps_high, cfg.is_cap, **kw))
             return (loss if weight == 1.0 else loss * weight), m
 
-        mb_ids, mb_noise = self._take(ids, noise, rows, tokens)
-        self._backwards_left, self._last_micro = self._n_backward, last
+        mb_ids, mb_noise = self.micro_inputs(ids, noise, rows, tokens)
+        state.backwards_left, state.last_micro = self._n_backward, last
         zero3 = cfg.zero_stage == 3 and self.engine is not None
+
+        def backward(t: torch.Tensor) -> None:
+            self._step_backward(state, t)
+
         if cfg.grad_replay:
             _, m, cur = replay_backward(self.fwd, mb_ids, mb_noise, self.mask_id, loss_fn,
-                                        backward=self._step_backward, packed=cfg.packed,
+                                        backward=backward, packed=cfg.packed,
                                         nograd_chunk=cfg.nograd_chunk, replay_chunk=cfg.replay_chunk,
-                                        use_module_head=zero3, cached=self._cached, return_blocks=on_policy)
+                                        use_module_head=zero3, cached=state.cached, return_blocks=on_policy)
         else:
             _, m, cur = direct_backward(self.fwd, mb_ids, mb_noise, self.mask_id, loss_fn,
-                                        backward=self._step_backward, packed=cfg.packed,
+                                        backward=backward, packed=cfg.packed,
                                         use_module_head=zero3, return_blocks=on_policy)
         return m, cur
 
@@ -371,14 +364,15 @@ class EBPOLearner:
         per_rank = [token_microbatches(share, tokens, self.cfg.max_tokens_per_microbatch) for share in shares]
         return per_rank[self.rank], max(len(m) for m in per_rank)
 
-    def _take(self, ids: torch.Tensor, noise, rows: torch.Tensor, tokens: torch.Tensor):
-        """Input ids and noise draws of `rows`; with a token budget, cut to their longest padded length."""
+    def micro_inputs(self, ids: torch.Tensor, noise, rows: torch.Tensor, tokens: torch.Tensor):
+        """Input ids (b, l) and noise draws of micro-batch `rows` of the batch `ids` (B, L); with a token
+        budget, cut to their longest padded length l (`tokens` (B,): each row's length in whole blocks)."""
         if self.cfg.max_tokens_per_microbatch <= 0:
             return ids[rows.to(ids.device)], noise.rows(rows)
         length = int(tokens[rows].max())
         return ids[rows.to(ids.device), :length], noise.take(rows, length)
 
-    def _sum_over_ranks(self, *tensors: torch.Tensor) -> None:
+    def sum_over_ranks(self, *tensors: torch.Tensor) -> None:
         """In place: every rank filled only its own rows (zeros elsewhere); the sum gives all rows to all."""
         if self.world_size > 1:
             for t in tensors:
@@ -401,12 +395,12 @@ class EBPOLearner:
         out.update({k: sign * float(v) for (k, sign), v in zip(ext, top.tolist())})
         return out
 
-    def _step_backward(self, t: torch.Tensor) -> None:
-        self._backwards_left -= 1
+    def _step_backward(self, state: UpdateState, t: torch.Tensor) -> None:
+        state.backwards_left -= 1
         if self.engine is not None:
             # the last backward of the minibatch's last micro-batch ends the accumulation: DeepSpeed then
             # reduces the gradients and `step` updates the weights; before it, `step` does nothing.
-            self.engine.set_gradient_accumulation_boundary(self._last_micro and self._backwards_left == 0)
+            self.engine.set_gradient_accumulation_boundary(state.last_micro and state.backwards_left == 0)
         self._backward(t)
         if self.engine is not None:
             self.engine.step()
@@ -439,18 +433,16 @@ class EBPOLearner:
     # ------------------------------------------------------------------------------------------------
     def get_model(self):
         """The policy as a plain `LLaDA2MoeModelLM` (LoRA: a merged copy; the live model is untouched)."""
-        if self.cfg.lora is not None:
+        if self.cfg.lora.enabled:
             merged = copy.deepcopy(self.model).merge_and_unload()
             return merged
         return self.model
 
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """Full policy weights as CPU tensors under the model's own names (LoRA merged in)."""
-        if self.cfg.lora is not None:
+        if self.cfg.lora.enabled:
             return {k: v.detach().cpu().clone() for k, v in self.get_model().state_dict().items()}
         if self.engine is not None and self.cfg.zero_stage == 3:  # gathered 256 MiB at a time, on every rank
-            from ebpo.rl.weight_stream import WeightStreamer
-
             return {k: v for part in WeightStreamer(self.model, True, 1 << 28).cpu_buckets() for k, v in part.items()}
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 

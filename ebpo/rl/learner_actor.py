@@ -6,18 +6,27 @@ from __future__ import annotations
 
 import os
 
+import ray
 import torch
+from rollout.weight_sync import WeightBroadcastGroup, WeightParts, node_ip, state_dict_digest
 
-from ebpo.infra.config import build
+from ebpo.infra.distributed import free_port
+from ebpo.model.loading import load_model
+from ebpo.model.streamed_save import save_pretrained_streamed
+from ebpo.rl.learner import EBPOLearner
+from ebpo.rl.learner_config import LearnerConfig
+from ebpo.rl.records import LearnerBatch
+from ebpo.rl.weight_stream import WeightStreamer
 
 
 class LearnerActor:
     """Builds the learner inside its own process (so the driver never holds a model) and forwards calls."""
 
-    def __init__(self, model_spec: str, learner_fields: dict, num_threads: int = 0, rank: int = 0):
+    def __init__(self, model_spec: str, config: LearnerConfig, num_threads: int = 0, rank: int = 0):
+        """config: the recipe's learner section as `RLConfig` built and checked it (not checked again)."""
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
-        self.model_spec, self.fields, self.rank = model_spec, learner_fields, rank
-        self.world_size = int(learner_fields.get("num_workers", 1))
+        self.model_spec, self.config, self.rank = model_spec, config, rank
+        self.world_size = config.num_workers
         self.learner = None
         self.sync_group = None  # WeightBroadcastGroup (rank 0) with ray.weight_sync=broadcast
         if self.world_size == 1:
@@ -35,12 +44,9 @@ class LearnerActor:
         self._build()
 
     def _build(self) -> None:
-        from ebpo.model.loading import load_model
-        from ebpo.rl.learner import EBPOLearner, LearnerConfig
+        self.learner = EBPOLearner(load_model(self.model_spec), self.config)
 
-        self.learner = EBPOLearner(load_model(self.model_spec), build(LearnerConfig, self.fields, "learner."))
-
-    def update(self, batch: dict) -> dict:
+    def update(self, batch: LearnerBatch) -> dict:
         return self.learner.update(batch)
 
     def state_dict_for_sync(self) -> dict:
@@ -50,20 +56,12 @@ class LearnerActor:
 
     def _streamer(self, bucket_bytes: int):
         """The policy's weights in buckets of `bucket_bytes` (ZeRO-3: gathered one bucket at a time)."""
-        from ebpo.rl.weight_stream import WeightStreamer
-
-        lrn = self.learner
-        zero3 = lrn.engine is not None and lrn.cfg.zero_stage == 3 and lrn.cfg.lora is None
-        return WeightStreamer(lrn.get_model(), zero3, bucket_bytes)
+        return WeightStreamer(self.learner.get_model(), self.learner.gathers_weights, bucket_bytes)
 
     def weight_parts(self, bucket_bytes: int):
         """Object-store sync: rank 0 puts each bucket in the object store as it is gathered and returns a
         `rollout.weight_sync.WeightParts` of their references (no full copy in this process at any time);
         other ranks join the gathers and return None."""
-        import ray
-
-        from rollout.weight_sync import WeightParts
-
         streamer = self._streamer(bucket_bytes)
         if self.rank != 0:
             streamer.drain()
@@ -72,23 +70,16 @@ class LearnerActor:
 
     def weights_digest(self) -> dict:
         """SHA-256 and counts of `state_dict_for_sync()` (see `rollout.weight_sync.state_dict_digest`)."""
-        from rollout.weight_sync import state_dict_digest
-
         return state_dict_digest(self.learner.state_dict_for_sync())
 
     # Broadcast weight sync (ray.weight_sync=broadcast): the learner is rank 0 and hosts the group's store.
     def sync_endpoint(self) -> tuple[str, int]:
         """(node IP, free port) on which `join_sync_group` will host the group's TCPStore."""
         # The port is checked on 0.0.0.0: the store listens on every interface, not only the one dialled.
-        from ebpo.infra.distributed import free_port
-        from rollout.weight_sync import node_ip
-
         return node_ip(), free_port("0.0.0.0")
 
     def join_sync_group(self, addr: str, port: int, world_size: int, timeout_s: float, device: str = "cpu") -> None:
         """Form the group as rank 0; blocks until all `world_size` members join (up to `timeout_s`)."""
-        from rollout.weight_sync import WeightBroadcastGroup
-
         self.close_sync_group()
         self.sync_group = WeightBroadcastGroup(addr, port, 0, world_size, timeout_s=timeout_s, device=device)
 
@@ -118,8 +109,6 @@ class LearnerActor:
     def export(self, path: str, bucket_bytes: int = 1 << 30) -> None:
         """Rank 0 writes the policy as a Hugging Face folder, one safetensors shard per bucket of
         `bucket_bytes` as it is gathered (ZeRO-3: every rank joins each bucket's gather)."""
-        from ebpo.model.streamed_save import save_pretrained_streamed
-
         streamer = self._streamer(bucket_bytes)
         if self.rank != 0:
             streamer.drain()

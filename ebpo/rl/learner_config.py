@@ -5,25 +5,49 @@ Kept apart from `ebpo.rl.learner` so that reading the options does not mean read
 """
 from __future__ import annotations
 
-import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 
 from ebpo.core.algos import KL_ESTIMATORS
 from ebpo.core.editing import T2T_SOURCES
+from ebpo.core.schedule import lr_schedule
 from ebpo.infra.config import doc
+from ebpo.infra.lora import LORA_TARGETS, LoraSection  # noqa: F401 (re-exported)
 
-LORA_TARGETS = ["query_key_value", "dense", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LearnerLora(LoraSection):
+    """The learner's LoRA section: the CPT/SFT `lora` section with the RL defaults (r 8, alpha 16)."""
+    r: int = doc("LoRA rank", 8)
+    alpha: float = doc("LoRA alpha (the adapter's output is scaled by alpha / r)", 16.0)
+
+    @staticmethod
+    def upgrade_spelling(value, key: str):
+        """ebpo 0.1 spelled `learner.lora` as a mapping without `enabled` (LoRA on) or null (off); both
+        still work for one release, the mapping with a warning naming the new key."""
+        if value is None:
+            return {}
+        if isinstance(value, dict) and "enabled" not in value:
+            warnings.warn(f"{key}: a LoRA mapping without `enabled` is deprecated and will be refused in the next "
+                          f"release; write {key}.enabled: true (the spelling of a CPT/SFT recipe's lora section)",
+                          DeprecationWarning, stacklevel=2)
+            return {**value, "enabled": True}
+        return value
 
 
 @dataclass
 class LearnerConfig:
     lr: float = doc("peak learning rate (0 = a frozen policy, e.g. to check that off-policy ratios are 1)", 1e-6)
     weight_decay: float = doc("AdamW weight decay", 0.0)
-    betas: list[float] = doc("AdamW betas", default_factory=lambda: [0.9, 0.999])
+    beta1: float = doc("AdamW beta1 (the key CPT/SFT recipes spell optim.beta1)", 0.9)
+    beta2: float = doc("AdamW beta2 (the key CPT/SFT recipes spell optim.beta2)", 0.999)
+    betas: Optional[list[float]] = doc("deprecated: [beta1, beta2]; write learner.beta1 and learner.beta2", None)
     warmup_steps: int = doc("linear warm-up length, in updates (RL steps; fractional within an update)", 0)
-    total_steps: int = doc("schedule length in updates (RL steps); needed by the cosine schedule", 0)
+    total_steps: Optional[int] = doc("schedule length in updates (RL steps); needed by the cosine schedule; null "
+                                     "= trainer.steps in an RL recipe (0 for a learner built on its own)", None)
     schedule: Literal["constant", "cosine"] = doc("LR schedule after warm-up (cosine decays to 0 at total_steps)",
                                                   "constant")
     grad_clip: float = doc("max global grad norm per optimizer step; 0 = no clipping", 1.0)
@@ -73,22 +97,35 @@ class LearnerConfig:
     max_tokens_per_microbatch: int = doc("token budget of one forward/backward on a rank: rows x their longest "
                                          "length (rounded up to whole blocks), rows sorted by length so padding "
                                          "stays small; 0 = a rank's whole share of a minibatch at once", 0)
-    lora: Optional[dict] = doc("PEFT LoRA {r, alpha, target_modules, dropout}; null = full fine-tuning", None)
-    max_staleness: int = doc("asynchronous RL: versions a sample's weights may lag the learner's (set from "
-                             "trainer.max_staleness); > 0 keeps that many weight snapshots for the decoupled loss", 0)
+    lora: "LearnerLora" = doc("PEFT LoRA, spelled as a CPT/SFT recipe's `lora` section (enabled, r, alpha, dropout, "
+                              "target_modules); enabled false = full fine-tuning", default_factory=lambda: LearnerLora())
+    max_staleness: int = doc("asynchronous RL: versions a sample's weights may lag the learner's; > 0 keeps that "
+                             "many weight snapshots for the decoupled loss. In an RL recipe set trainer.max_staleness "
+                             "(its one owner, copied here); this key is a deprecated alias of it", 0)
     is_cap: float = doc("asynchronous RL: cap of the truncated behaviour->proximal importance weight", 2.0)
-    seed: int = doc("seed of the learner's noise-draw generator (and minibatch shuffling)", 0)
+    seed: Optional[int] = doc("seed of the learner's noise-draw generator (and minibatch shuffling); null = "
+                              "trainer.seed in an RL recipe (0 for a learner built on its own)", None)
     block_size: Optional[int] = doc("block size K of the likelihood; null = the model's", None)
     device: str = doc("auto (cuda if available), cpu or cuda[:i]; DeepSpeed places the model itself", "auto")
 
     def validate(self):
+        if self.betas is not None and len(self.betas) == 2:  # the old spelling, kept for one release
+            warnings.warn("learner.betas is deprecated and will be removed in the next release; write learner.beta1 "
+                          "and learner.beta2 (as CPT/SFT recipes write optim.beta1 and optim.beta2)",
+                          DeprecationWarning, stacklevel=2)
+            self.beta1, self.beta2 = (float(b) for b in self.betas)
+            self.betas = None
         checks = [
             ("lr", self.lr >= 0, "must be >= 0 (0 = frozen policy)"),
             ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
-            ("betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "must be two numbers in [0, 1)"),
+            ("betas", self.betas is None or (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)),
+             "must be two numbers in [0, 1)"),
+            ("beta1", 0 <= self.beta1 < 1, "must lie in [0, 1)"),
+            ("beta2", 0 <= self.beta2 < 1, "must lie in [0, 1)"),
             ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
-            ("total_steps", self.total_steps >= 0, "must be >= 0"),
-            ("total_steps", self.schedule != "cosine" or self.total_steps > self.warmup_steps,
+            ("total_steps", self.total_steps is None or self.total_steps >= 0, "must be >= 0"),
+            # unset (None) is filled in from trainer.steps by RLConfig, which validates again
+            ("total_steps", self.schedule != "cosine" or self.total_steps is None or self.total_steps > self.warmup_steps,
              "the cosine schedule needs total_steps > warmup_steps"),
             ("schedule", self.schedule in ("constant", "cosine"), "choose constant or cosine"),
             ("grad_clip", self.grad_clip >= 0, "must be >= 0 (0 = off)"),
@@ -125,24 +162,13 @@ class LearnerConfig:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"learner.{name}: {why} (got {getattr(self, name)!r})")
-        if self.lora is not None:
-            unknown = set(self.lora) - {"r", "alpha", "target_modules", "dropout"}
-            if unknown:
-                raise ValueError(f"learner.lora: unknown keys {sorted(unknown)}; allowed r, alpha, target_modules, dropout")
-            if int(self.lora.get("r", 8)) < 1:
-                raise ValueError(f"learner.lora.r: must be >= 1 (got {self.lora.get('r')!r})")
+        try:
+            self.lora.validate()
+        except ValueError as err:
+            raise ValueError(f"learner.lora.{err}") from None
 
 
 def lr_factor(progress: float, cfg: LearnerConfig, step_frac: float = 0.0) -> float:
-    """LR multiplier of the optimizer step starting at `progress` updates (float) and lasting `step_frac`.
-
-    Warm-up is linear in the step's end (so the very first step has a non-zero LR); the cosine phase
-    uses the step's start (so the last scheduled update still trains), reaching 0 at total_steps.
-    """
-    end = progress + step_frac
-    if cfg.warmup_steps > 0 and end < cfg.warmup_steps:
-        return end / cfg.warmup_steps
-    if cfg.schedule == "cosine":
-        q = (progress - cfg.warmup_steps) / max(cfg.total_steps - cfg.warmup_steps, 1)
-        return 0.5 * (1.0 + math.cos(math.pi * min(max(q, 0.0), 1.0)))
-    return 1.0
+    """LR multiplier of the optimizer step starting at `progress` updates (float) and lasting `step_frac`:
+    the shared schedule (`ebpo.core.schedule.lr_schedule`) with the learner's warm-up, length and shape."""
+    return lr_schedule(progress, step_frac, cfg.warmup_steps, cfg.total_steps or 0, cfg.schedule)

@@ -3,40 +3,27 @@ group through Ray (rank 0 publishes its address and a free port) and calls them 
 
 Every rank must run the same collective calls in the same order, so the group sends each call to all
 ranks (`update`, `save`, `load`, `export`, `state_dict_for_sync`, `weight_parts`, `broadcast_weights`,
-`weights_digest`)
-and answers with rank 0's result; calls that concern only the weight-sync group go to rank 0 alone.
+`weights_digest`) and answers with rank 0's result; calls that concern only the weight-sync group
+(`sync_endpoint`, `join_sync_group`, `close_sync_group`) go to rank 0 alone. Each is a method here,
+named as on `LearnerActor`.
 With W = 1 it is a thin wrapper around one actor, and the run is what it was with a single learner actor.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from ebpo.rl.records import LearnerBatch
+
+
 class LearnerRankDied(RuntimeError):
     """A learner rank's actor died (or failed) during a group call; the group's other ranks were stopped,
     since they would wait for it in a collective until the process group's timeout."""
 
 
-ALL_RANKS = ("update", "save", "load", "export", "state_dict_for_sync", "weight_parts", "broadcast_weights",
-             "weights_digest")
-RANK_ZERO = ("sync_endpoint", "join_sync_group", "close_sync_group")
-
-
-class _GroupMethod:
-    """`group.NAME.remote(*args)`: the call on every rank (or rank 0), returning rank 0's ObjectRef."""
-
-    def __init__(self, group: "LearnerGroup", name: str):
-        self.group, self.name = group, name
-
-    def remote(self, *args, **kwargs):
-        targets = self.group.actors if self.name in ALL_RANKS else self.group.actors[:1]
-        refs = [getattr(a, self.name).remote(*args, **kwargs) for a in targets]
-        self.group.pending.extend(refs[1:])
-        return refs[0]
-
-
 class LearnerGroup:
-    """W learner actors forming one process group; `group.update(batch)` etc. block, `group.NAME.remote`
-    has the actor-handle calling convention (for the weight-sync driver)."""
+    """W learner actors forming one process group. `update`, `save`, `load`, `export` block and raise
+    `LearnerRankDied`; the weight-transport calls return rank 0's ObjectRef at once (for
+    `ebpo.rl.weights.PolicyWeights`), the other ranks' refs being checked by `wait_pending`."""
 
     def __init__(self, ray, make_actor: Callable[[int], Any], world_size: int):
         """make_actor(rank) -> a started `LearnerActor` handle (placement chosen by the caller)."""
@@ -47,17 +34,45 @@ class LearnerGroup:
             addr, port = ray.get(self.actors[0].rendezvous_endpoint.remote())
             ray.get([a.join_group.remote(addr, port) for a in self.actors])
 
-    def __getattr__(self, name: str) -> _GroupMethod:
-        if name in ALL_RANKS or name in RANK_ZERO:
-            return _GroupMethod(self, name)
-        raise AttributeError(name)
+    def _on_all(self, name: str, *args):
+        """`name(*args)` on every rank; rank 0's ObjectRef (the others' are kept for `wait_pending`)."""
+        refs = [getattr(a, name).remote(*args) for a in self.actors]
+        self.pending.extend(refs[1:])
+        return refs[0]
+
+    def _on_rank0(self, name: str, *args):
+        return getattr(self.actors[0], name).remote(*args)
+
+    # weight transport: ObjectRefs, every rank joins the gathers (ZeRO-3)
+    def weight_parts(self, bucket_bytes: int):
+        return self._on_all("weight_parts", bucket_bytes)
+
+    def broadcast_weights(self, version: int, bucket_bytes: int):
+        return self._on_all("broadcast_weights", version, bucket_bytes)
+
+    def state_dict_for_sync(self):
+        return self._on_all("state_dict_for_sync")
+
+    def weights_digest(self):
+        return self._on_all("weights_digest")
+
+    # the weight-sync group: rank 0 alone
+    def sync_endpoint(self):
+        return self._on_rank0("sync_endpoint")
+
+    def join_sync_group(self, addr: str, port: int, world_size: int, timeout_s: float, device: str = "cpu"):
+        return self._on_rank0("join_sync_group", addr, port, world_size, timeout_s, device)
+
+    def close_sync_group(self):
+        return self._on_rank0("close_sync_group")
 
     def call(self, name: str, *args) -> Any:
         """Run `name(*args)` on every rank, wait for all, return rank 0's result. If any rank fails, the
         others are killed at once (they would hang in a collective) and `LearnerRankDied` is raised."""
         self.wait_pending()
         if args and self.world_size > 1:
-            args = tuple(self.ray.put(a) if isinstance(a, dict) else a for a in args)  # one copy for all ranks
+            # one copy for all ranks
+            args = tuple(self.ray.put(a) if isinstance(a, (dict, LearnerBatch)) else a for a in args)
         refs = [getattr(a, name).remote(*args) for a in self.actors]
         waiting = list(refs)
         while waiting:
@@ -77,7 +92,7 @@ class LearnerGroup:
             except Exception:  # noqa: BLE001 (already gone)
                 pass
 
-    def update(self, batch: dict) -> dict:
+    def update(self, batch: LearnerBatch) -> dict:
         return self.call("update", batch)
 
     def save(self, path: str) -> None:

@@ -45,7 +45,7 @@ class WeightStreamer:
         tensors = {s.name: self.tensors[s.name] for s in bucket.slots}
         partitioned = [t for t in tensors.values() if self.zero3 and hasattr(t, "ds_id")]
         if partitioned:
-            import deepspeed
+            import deepspeed  # only a ZeRO-3 learner needs it; importing it is slow and probes the accelerator
 
             with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
                 yield {n: t.detach() for n, t in tensors.items()}

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
+from ebpo.infra.lora import LoraSection  # noqa: F401 (the `lora` section; re-exported)
 from ebpo.infra.config import doc
 from ebpo.core.objectives import ObjectiveConfig
 
@@ -49,17 +50,6 @@ class OptimConfig:
             raise ValueError("optim.grad_accum: must be >= 1")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("optim.min_lr_ratio: must lie in [0, 1]")
-
-
-@dataclass
-class LoraSection:
-    enabled: bool = doc("train a PEFT LoRA adapter instead of all weights", False)
-    r: int = doc("LoRA rank", 16)
-    alpha: int = doc("LoRA alpha", 32)
-    dropout: float = doc("LoRA dropout", 0.0)
-    target_modules: list[str] = doc("module names to adapt",
-                                    default_factory=lambda: ["query_key_value", "dense", "gate_proj", "up_proj",
-                                                             "down_proj"])
 
 
 @dataclass

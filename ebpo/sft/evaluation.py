@@ -27,7 +27,8 @@ import torch
 
 from rewards.format_reward import last_boxed as boxed_answer  # noqa: F401 (re-exported)
 
-from ebpo.infra.data import encode_prompt
+from ebpo.infra.data import encode_prompt, reference_ids  # noqa: F401 (reference_ids re-exported)
+from rollout.edits import edit_metrics  # noqa: F401 (re-exported: RL evaluation uses it too)
 
 # name -> (decoder preset, overrides). `speed_noedit` keeps Speedy Mode's unmasking threshold and
 # post-step budget but never edits a committed token.
@@ -141,31 +142,6 @@ class EvalResult:
                   f"{prefix}wall_s": self.wall_s})
         m.update(edit_metrics(self.tasks, self.edit_counts, prefix))
         return m
-
-
-def edit_metrics(tasks: list[str], counts: list, prefix: str = "eval/") -> dict[str, float]:
-    """`<prefix><task>/{edit_precision,edits_per_seq,fixes_per_seq,breaks_per_seq}` over the rows of each task
-    whose `counts` entry (a `rollout.edits.EditCounts`) is not None (rows with a reference response)."""
-    from rollout.edits import EditCounts
-
-    by_task: dict[str, list] = {}
-    for t, c in zip(tasks, counts):
-        if c is not None:
-            by_task.setdefault(t, []).append(c)
-    m = {}
-    for t, cs in sorted(by_task.items()):
-        total = sum(cs, EditCounts())
-        n = len(cs)
-        m.update({f"{prefix}{t}/edit_precision": total.precision, f"{prefix}{t}/edits_per_seq": total.edits / n,
-                  f"{prefix}{t}/fixes_per_seq": total.fixes / n, f"{prefix}{t}/breaks_per_seq": total.breaks / n})
-    return m
-
-
-def reference_ids(tokenizer, row: dict) -> list[int] | None:
-    """The row's correct completion as token ids ending with EOS (as SFT trains on it), None without `response`."""
-    if not row.get("response"):
-        return None
-    return tokenizer(str(row["response"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
 def decode_config(preset: str, decode: dict | None = None):

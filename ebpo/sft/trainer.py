@@ -10,7 +10,6 @@ One optimizer step, as data:
 """
 from __future__ import annotations
 
-import math
 import os
 import random
 import time
@@ -25,16 +24,9 @@ from ebpo.infra.data import EpochSampler, collate, encode_sft, load_rows, pack_d
 from ebpo.infra.distributed import init_distributed
 from ebpo.infra.run_config import open_run_dir
 from ebpo.core.noise import make_noisy, substitution_ids
+from ebpo.core.schedule import lr_schedule
 from ebpo.core.objectives import LossShard, mixture_loss, shard_of, take_rows
 from ebpo.sft.config import SFTConfig
-
-
-def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """LR multiplier at optimizer step `step` (0-based): linear warmup, then cosine down to min_ratio."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_examples(cfg: SFTConfig, tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
@@ -97,7 +89,7 @@ class SFTTrainer:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: warmup_cosine(s, o.warmup_steps, tc.steps, o.min_lr_ratio))
+            self.optimizer, lambda s: lr_schedule(s, 1.0, o.warmup_steps, tc.steps, "cosine", o.min_lr_ratio))
         self.engine = None
         if tc.backend == "deepspeed":
             self._init_deepspeed()
@@ -117,11 +109,9 @@ class SFTTrainer:
 
     # ----------------------------------------------------------------------------------------- setup
     def _wrap_lora(self, base):
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        lc = self.cfg.lora
-        return get_peft_model(base, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                                               target_modules=list(lc.target_modules), bias="none"))
+        return get_peft_model(base, self.cfg.lora.peft_config())
 
     def _init_deepspeed(self) -> None:
         import deepspeed

@@ -12,10 +12,12 @@ BASELINE = {"ratios": {
     "replay_memory_vs_n1": {"value": 1.4, "tol": 0.15},
     "decode_cache_on_vs_off_batch32": {"value": 6.0, "tol": 0.3},
     "rewards_hang_overhead": {"value": 1.0, "tol": 0.5},
+    "learner_budget_vs_padded": {"value": 1.75, "tol": 0.15},
 }}
 
 
-def _write(folder: Path, speedup: float, memory_ratio: float, cache32: float, hang_extra: float) -> None:
+def _write(folder: Path, speedup: float, memory_ratio: float, cache32: float, hang_extra: float,
+           budget: float = 1.7) -> None:
     (folder / "likelihood_0.json").write_text(json.dumps({"speed": {"speedup_cached_median": speedup}}))
     (folder / "memory_0.json").write_text(json.dumps({"memory": [
         {"mode": "direct", "cached": False, "ratio_vs_n1": 1.0},
@@ -24,6 +26,8 @@ def _write(folder: Path, speedup: float, memory_ratio: float, cache32: float, ha
         "batch32_over_batch1": 10.0, "cache_speedup_batch32": cache32, "cache_speedup_batch1": 1.5}}}))
     (folder / "rewards_0.json").write_text(json.dumps({"code_pool_per_s": 20.0, "code_serial_per_s": 15.0,
                                                        "hang_extra_s": hang_extra, "hang_timeout_s": 2.0}))
+    (folder / "learner_0.json").write_text(json.dumps({"ratios": {"budget_vs_padded": 9.9,  # not the one guarded
+                                                                  "budget_vs_padded_paired": budget}}))
 
 
 @pytest.fixture()
@@ -45,6 +49,7 @@ def test_results_like_the_baseline_pass(tmp_path, baseline, capsys):
     ("replay_memory_vs_n1", dict(memory_ratio=1.7)),          # above 1.4 * 1.15 = 1.61 (lower is better)
     ("decode_cache_on_vs_off_batch32", dict(cache32=1.0)),    # the cache stopped helping
     ("rewards_hang_overhead", dict(hang_extra=3.2)),          # a hung call now costs 1.6 timeouts
+    ("learner_budget_vs_padded", dict(budget=1.4)),           # below 1.75 * 0.85 = 1.49: the 1.5x target lost
 ])
 def test_a_doctored_ratio_fails_and_is_named(tmp_path, baseline, capsys, broken, kwargs):
     _write(tmp_path, **{**dict(speedup=4.5, memory_ratio=1.4, cache32=6.0, hang_extra=2.0), **kwargs})

@@ -170,10 +170,14 @@ def test_max_staleness_is_checked_with_the_key_named(tmp_path):
     for bad in ("-1", "1.5", "true"):
         with pytest.raises((ConfigError, ValueError), match="trainer.max_staleness"):
             load_config(RLConfig, None, [f"trainer.max_staleness={bad}"])
-    cfg = load_config(RLConfig, None, ["trainer.max_staleness=2", "ray.weight_sync=broadcast"])
     with pytest.raises(ConfigError, match="trainer.max_staleness"):
-        cfg.learner_config()
-    assert load_config(RLConfig, None, ["trainer.max_staleness=2"]).learner_config().max_staleness == 2
-    cfg = load_config(RLConfig, None, ["trainer.max_staleness=1", "learner={backend: deepspeed}"])
+        load_config(RLConfig, None, ["trainer.max_staleness=2", "ray.weight_sync=broadcast"])
+    assert load_config(RLConfig, None, ["trainer.max_staleness=2"]).learner.max_staleness == 2
     with pytest.raises(ConfigError, match="learner.max_staleness"):
-        cfg.learner_config()
+        load_config(RLConfig, None, ["trainer.max_staleness=1", "learner={backend: deepspeed}"])
+    # one owner: the learner's key conflicts with the trainer's, or is a deprecated alias of it
+    with pytest.raises(ConfigError, match="set trainer.max_staleness only"):
+        load_config(RLConfig, None, ["trainer.max_staleness=1", "learner.max_staleness=2"])
+    with pytest.warns(DeprecationWarning, match="trainer.max_staleness"):
+        cfg = load_config(RLConfig, None, ["learner.max_staleness=2"])
+    assert cfg.trainer.max_staleness == 2 and cfg.learner.max_staleness == 2

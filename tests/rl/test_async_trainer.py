@@ -38,10 +38,10 @@ def read_metrics(run_dir):
     return {r["step"]: r for r in (json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines())}
 
 
-def train(cfg, before_fit=None):
-    from ebpo.rl.trainer import RLTrainer
+def train(cfg, before_fit=None, loop=None):
+    from ebpo.rl.trainer import make_loop
 
-    trainer = RLTrainer(cfg)
+    trainer = make_loop(cfg) if loop is None else loop(cfg)
     try:
         if before_fit:
             before_fit(trainer)
@@ -63,9 +63,11 @@ LEARNER = "learner={n_draws: 2, mu: 1, lr: 0.001}"
 
 
 def test_pipeline_at_staleness_zero_is_the_synchronous_loop(ray_local, tmp_path, data):
+    from ebpo.rl.async_loop import AsyncLoop
+
     train(make_cfg(data, tmp_path / "sync", "trainer.steps=3", LEARNER))
-    forced = train(make_cfg(data, tmp_path / "pipe", "trainer.steps=3", LEARNER),
-                   before_fit=lambda t: setattr(t, "asynchronous", True))
+    # the asynchronous loop run at s = 0: the producer waits for every update
+    forced = train(make_cfg(data, tmp_path / "pipe", "trainer.steps=3", LEARNER), loop=AsyncLoop)
     assert [v for _, _, v in forced.version_log] == [[0] * 6, [1] * 6, [2] * 6]  # every sample fresh
     assert_same_steps(read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "pipe"), [1, 2, 3])
 

@@ -3,7 +3,7 @@ import pytest
 
 from ebpo.infra.config import build
 from ebpo.rl.config import RLConfig
-from ebpo.rl.trainer import _solved
+from ebpo.rl.step import solved as _solved
 
 
 def test_shaping_reward_does_not_decide_correctness():

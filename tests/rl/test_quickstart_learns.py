@@ -20,9 +20,9 @@ def test_three_quickstart_steps_teach_the_mixed_model_to_show_its_working(ray_lo
         f"trainer.run_dir={run_dir}", "trainer.steps=3", "trainer.eval_every=3", "trainer.eval_size=100",
         "trainer.dynamic_sampling=0", "trainer.tracking=none", "trainer.plots=false", "trainer.progress=false",
         "trainer.save_every=0"])
-    from ebpo.rl.trainer import RLTrainer
+    from ebpo.rl.trainer import make_loop
 
-    trainer = RLTrainer(cfg, "quickstart")
+    trainer = make_loop(cfg)
     try:
         trainer.fit()
     finally:

@@ -56,9 +56,9 @@ def read_metrics(run_dir):
 
 
 def train(cfg):
-    from ebpo.rl.trainer import RLTrainer
+    from ebpo.rl.trainer import make_loop
 
-    trainer = RLTrainer(cfg)
+    trainer = make_loop(cfg)
     try:
         history = trainer.fit()
     finally:
@@ -78,7 +78,7 @@ def test_two_steps_log_every_design_metric_and_checkpoint(ray_local, tmp_path, d
     logged = read_metrics(run_dir)
     assert any("eval/math/accuracy" in r for r in logged)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
-    assert (run_dir / "checkpoints" / "step_2" / "trainer_state.json").exists()
+    assert (run_dir / "checkpoints" / "step_2" / "state.json").exists()
     assert (run_dir / "config.yaml").exists()
     assert list((run_dir / "plots").glob("*.png"))
     assert list(run_dir.rglob("*.wandb")), "an offline W&B run should be written inside the run directory"
@@ -102,13 +102,13 @@ def test_resume_repeats_the_uninterrupted_run(ray_local, tmp_path, data):
 
 
 def test_killed_reward_actor_is_replaced_and_the_run_goes_on(ray_local, tmp_path, data):
-    from ebpo.rl.trainer import RLTrainer
+    from ebpo.rl.trainer import make_loop
 
-    trainer = RLTrainer(make_cfg(tmp_path, data, tmp_path / "k", "trainer.steps=2", "trainer.tracking=none",
+    trainer = make_loop(make_cfg(tmp_path, data, tmp_path / "k", "trainer.steps=2", "trainer.tracking=none",
                                  "data.eval=null"))
     try:
         trainer.step(1)
-        ray.kill(trainer.reward_workers[0].handle, no_restart=True)
+        ray.kill(trainer.run.cluster.reward_workers[0].handle, no_restart=True)
         metrics = trainer.step(2)
     finally:
         trainer.close()

@@ -47,20 +47,20 @@ def test_rl_on_two_nodes_spreads_trains_resumes_and_survives_a_killed_rank(two_n
               "ray.weight_sync=broadcast",
               "learner={n_draws: 2, mu: 1, minibatch_size: 3, lr: 0.001, num_workers: 2, backend: deepspeed, "
               "zero_stage: 3}")
-    from ebpo.rl.trainer import RLTrainer
+    from ebpo.rl.sync_loop import SyncLoop
 
     placed = {}
-    fit = RLTrainer.fit
+    fit = SyncLoop.fit
 
     def fit_and_look(self):  # where the actors run, while they run
         placed["rollout"], placed["learner"] = _nodes_of("RolloutWorker"), _nodes_of("LearnerActor")
         return fit(self)
 
-    RLTrainer.fit = fit_and_look
+    SyncLoop.fit = fit_and_look
     try:
         train(make_cfg(tmp_path, data, tmp_path / "full", *common))
     finally:
-        RLTrainer.fit = fit
+        SyncLoop.fit = fit
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
     assert len(nodes) == 2
     assert placed["rollout"] == nodes and placed["learner"] == nodes  # one of each on each node

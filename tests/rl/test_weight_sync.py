@@ -233,19 +233,19 @@ def broadcast_trainer(tmp_path, data, name: str, *extra):
     """Two rollout workers (a 3-member group), 1 MiB buckets, one torch thread per actor (2 cores: three
     actors with 2 threads each slow every step several times over), and a reward that differs between
     samples, so the advantages are not all zero and every update really changes the policy."""
-    from ebpo.rl.trainer import RLTrainer
+    from ebpo.rl.trainer import make_loop
 
     reward = tmp_path / "parity.py"
     reward.write_text("def score(*, completion, **_):\n    return float(len(completion) % 2)\n")
-    return RLTrainer(make_cfg(tmp_path, data, tmp_path / name, "trainer.tracking=none", "trainer.plots=false",
+    return make_loop(make_cfg(tmp_path, data, tmp_path / name, "trainer.tracking=none", "trainer.plots=false",
                               "data.eval=null", "rollout.num_workers=2", "rollout.num_threads=1",
                               f"reward.fns=[{{fn: '{reward}:score'}}]", "ray.weight_sync=broadcast",
                               "ray.bucket_mb=1", "ray.sync_timeout_s=60", *extra))
 
 
 def digests(trainer) -> tuple[dict, list[dict]]:
-    learner = ray.get(trainer.learner.weights_digest.remote())
-    return learner, [w.call("weights_digest") for w in trainer.rollout_workers]
+    learner = ray.get(trainer.learner.weights_digest())
+    return learner, [w.call("weights_digest") for w in trainer.run.cluster.rollout_workers]
 
 
 def test_broadcast_run_leaves_every_rollout_worker_with_the_learner_weights(ray_local, tmp_path, data):
@@ -254,7 +254,7 @@ def test_broadcast_run_leaves_every_rollout_worker_with_the_learner_weights(ray_
         before, _ = digests(trainer)
         history = trainer.fit()
         learner, workers = digests(trainer)
-        versions = [w.call("ping") for w in trainer.rollout_workers]
+        versions = [w.call("ping") for w in trainer.run.cluster.rollout_workers]
     finally:
         trainer.close()
     assert [h["step"] for h in history] == [1, 2]
@@ -272,18 +272,18 @@ def test_killed_rollout_workers_return_with_the_policy_and_the_group_is_re_forme
     trainer = broadcast_trainer(tmp_path, data, "k", "trainer.steps=3")
     try:
         trainer.step(1)
-        ray.kill(trainer.rollout_workers[0].handle, no_restart=True)
+        ray.kill(trainer.run.cluster.rollout_workers[0].handle, no_restart=True)
         # The next call restarts the worker; it must come back with version 1 (from the learner), not the base.
         learner_v1, workers = digests(trainer)
         assert workers == [learner_v1, learner_v1]
         m2 = trainer.step(2)  # the restarted worker is no member: object-store sync, then a new group
-        ray.kill(trainer.rollout_workers[1].handle, no_restart=True)
+        ray.kill(trainer.run.cluster.rollout_workers[1].handle, no_restart=True)
         mid = trainer.sync_weights()  # a member died unnoticed: the broadcast fails, the object store carries it
         m3 = trainer.step(3)  # broadcast again, over the group re-formed after that
         learner, workers = digests(trainer)
     finally:
         trainer.close()
-    assert [w.restarts for w in trainer.rollout_workers] == [1, 1] and m3["faults/restarts"] == 2.0
+    assert [w.restarts for w in trainer.run.cluster.rollout_workers] == [1, 1] and m3["faults/restarts"] == 2.0
     assert any("rollout-0 died" in e for e in trainer.events)
     assert any("restarted since the weight-sync group was formed" in e for e in trainer.events), trainer.events
     assert any("broadcast failed" in e for e in trainer.events), trainer.events

@@ -3,7 +3,8 @@ canvases its `on_step` events show, and the evaluation metrics built from both."
 import math
 
 
-from ebpo.sft.evaluation import EvalResult, edit_metrics
+from ebpo.sft.evaluation import EvalResult
+from rollout.edits import edit_metrics
 from rollout import DecodeConfig, generate
 from rollout.edits import EditCounts, edit_counts
 

@@ -1,6 +1,6 @@
 """Clip fraction of the real-scale recipe shapes on the tiny model: off-policy minibatches vs one on-policy step.
 
-    python tests/learner/clip_fraction.py [--prompts 16 --group 8 --max-new 40 --lr 5e-5 --json OUT]
+    python tests/rl/clip_fraction.py [--prompts 16 --group 8 --max-new 40 --lr 5e-5 --json OUT]
 
 One batch of quickstart rollouts (tiny-sft-mixed, Q Mode, temperature 1, math reward + GRPO advantages),
 then one learner update per setting, each from the same weights and with the same seed:
@@ -43,7 +43,7 @@ def main(argv=None):
     from ebpo.core.likelihood import all_composites, draw_noise
     from ebpo.infra.data import encode_prompt, load_rows
     from ebpo.model.loading import load_model, load_model_tokenizer
-    from ebpo.rl.batch import build_learner_batch
+    from ebpo.rl.records import build_learner_batch
     from ebpo.rl.learner import EBPOLearner, LearnerConfig
 
     t0 = time.time()
@@ -61,12 +61,12 @@ def main(argv=None):
     batch = build_learner_batch(prompts, [o.token_ids for o in outs], adv, groups, pad_id=tok.eos_token_id,
                                 tail_ids=[o.tail_ids for o in outs])
     B = len(prompts)
-    lengths = batch["response_mask"].sum(1).float()
+    lengths = batch.response_mask.sum(1).float()
     long = lengths >= lengths.median()
-    nz = draw_noise(batch["response_mask"], model.config.block_size, 16, 0.1, 1.0, torch.Generator().manual_seed(7),
+    nz = draw_noise(batch.response_mask, model.config.block_size, 16, 0.1, 1.0, torch.Generator().manual_seed(7),
                     form=args.noise)
     with torch.no_grad():
-        c_old = all_composites(model, batch["input_ids"], nz, model.config.mask_token_id, cached=True).double()
+        c_old = all_composites(model, batch.input_ids, nz, model.config.mask_token_id, cached=True).double()
     out = {"sequences": B, "response_tokens_mean": float(lengths.mean()), "reward_mean": float(scores.mean()),
            "lr": args.lr, "n_draws": args.n_draws, "noise": args.noise}
     settings = {"4_minibatches": dict(minibatch_size=B // 4),
@@ -78,7 +78,7 @@ def main(argv=None):
         m = learner.update(batch)
         new = learner.get_model().eval()
         with torch.no_grad():
-            c_new = all_composites(new, batch["input_ids"], nz, model.config.mask_token_id, cached=True).double()
+            c_new = all_composites(new, batch.input_ids, nz, model.config.mask_token_id, cached=True).double()
         lr_seq = (c_new - c_old).mean(1)
         norm = lr_seq / lengths if kw.get("length_normalize") else lr_seq
         outside = (norm > math.log1p(cfg.eps_high)) | (norm < math.log1p(-cfg.eps_low))

@@ -155,7 +155,7 @@ def test_off_policy_update_matches_hand_written_ppo_adamw(small_model, noise):
     with torch.no_grad():
         old = plain_composites(ref, ids, noise_draws, range(6))
     params = [p for p in ref.parameters() if p.requires_grad]
-    opt = PlainAdamW(params, cfg.lr, tuple(cfg.betas))
+    opt = PlainAdamW(params, cfg.lr, (cfg.beta1, cfg.beta2))
     steps = []
     for _ in range(cfg.mu):
         for j in torch.randperm(3, generator=gen).tolist():

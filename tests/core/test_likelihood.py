@@ -186,11 +186,11 @@ def test_gradient_replay_equals_direct_backprop(small_model):
 
 
 def test_response_mask_agrees_with_rl_batch_layout():
-    from ebpo.rl.batch import build_learner_batch
+    from ebpo.rl.records import build_learner_batch
 
     prompts = [[0, 5, 6], [0, 7], [0, 8, 9, 10]]
     responses = [[20, 21, EOS], [22, 23, 24, 25, 26], [27, EOS]]  # the second one was cut (no EOS)
     b = build_learner_batch(prompts, responses, torch.zeros(3), torch.arange(3), pad_id=EOS)
-    got = response_mask_from_ids(b["input_ids"], b["prompt_lens"], EOS,
-                                 seq_lens=b["prompt_lens"] + b["response_lens"])
-    assert torch.equal(got, b["response_mask"])
+    got = response_mask_from_ids(b.input_ids, b.prompt_lens, EOS,
+                                 seq_lens=b.prompt_lens + b.response_lens)
+    assert torch.equal(got, b.response_mask)

@@ -9,6 +9,7 @@ import torch
 from ebpo.core.algos import compute_advantages, ebpo_loss
 from ebpo.infra.config import ConfigError, build
 from ebpo.rl.learner import EBPOLearner, LearnerConfig, lr_factor
+from ebpo.rl.learner_config import LearnerLora
 from ebpo.core.likelihood import all_composites, draw_noise, response_mask_from_ids
 
 EOS, MASK = 1, 2
@@ -83,7 +84,7 @@ def test_on_policy_update_matches_plain_reference(small_model, packed, cached, r
     loss, _ = ebpo_loss(cur, old, batch["advantages"], cfg.eps_low, cfg.eps_high, dual_clip=cfg.dual_clip)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.grad_clip)
-    torch.optim.AdamW(ref.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=0.0).step()
+    torch.optim.AdamW(ref.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0).step()
 
     assert m["actor/grad_norm"] == pytest.approx(float(norm), rel=1e-4)
     assert m["likelihood/elbo_seq_mean"] == pytest.approx(float(old.mean()), rel=1e-5)
@@ -140,7 +141,7 @@ def test_lora_sync_merges_adapter_and_reference_is_base(small_model):
     batch, _ = toy_batch()
     base = copy.deepcopy(small_model)
     original = {k: v.clone() for k, v in base.state_dict().items()}
-    learner = EBPOLearner(base, LearnerConfig(lr=1e-2, n_draws=2, kl_beta=0.1, lora={"r": 4, "alpha": 8}))
+    learner = EBPOLearner(base, LearnerConfig(lr=1e-2, n_draws=2, kl_beta=0.1, lora=LearnerLora(enabled=True, r=4, alpha=8)))
     m = learner.update(batch)
     assert m["actor/kl"] == pytest.approx(0.0, abs=1e-6)  # first step: policy == reference
     learner.update(batch)
@@ -194,3 +195,34 @@ def test_deepspeed_save_load_roundtrip(small_model, tmp_path):
     assert ma["actor/pg_loss"] == pytest.approx(mb["actor/pg_loss"], rel=1e-6, abs=1e-9)
     sa, sb = a.state_dict_for_sync(), b.state_dict_for_sync()
     assert all(torch.allclose(sa[k], sb[k], atol=1e-7) for k in sa)
+
+
+def test_learner_betas_is_a_deprecated_alias_of_beta1_beta2():
+    with pytest.warns(DeprecationWarning, match="learner.beta1"):
+        cfg = build(LearnerConfig, {"betas": [0.8, 0.95]}, "learner.")
+    assert (cfg.beta1, cfg.beta2, cfg.betas) == (0.8, 0.95, None)
+    assert (LearnerConfig().beta1, LearnerConfig().beta2) == (0.9, 0.999)  # the RL defaults are unchanged
+
+
+def test_rl_and_sft_share_one_lr_schedule():
+    from ebpo.core.schedule import lr_schedule
+    from ebpo.rl.learner_config import lr_factor
+
+    cfg = LearnerConfig(warmup_steps=2, total_steps=10, schedule="cosine")
+    for p in (0.0, 0.5, 1.0, 2.0, 6.0, 9.5, 12.0):
+        assert lr_factor(p, cfg, 0.5) == lr_schedule(p, 0.5, 2, 10, "cosine")
+
+
+def test_learner_lora_is_the_sft_section_and_the_old_mapping_is_a_deprecated_alias():
+    from ebpo.sft.config import LoraSection
+
+    assert issubclass(LearnerLora, LoraSection)  # one spelling: enabled, r, alpha, dropout, target_modules
+    assert build(LearnerConfig, {}, "learner.").lora.enabled is False
+    assert build(LearnerConfig, {"lora": None}, "learner.").lora.enabled is False  # ebpo 0.1: null = off
+    cfg = build(LearnerConfig, {"lora": {"enabled": True, "r": 4}}, "learner.")
+    assert (cfg.lora.enabled, cfg.lora.r, cfg.lora.alpha) == (True, 4, 16.0)  # the RL defaults otherwise
+    with pytest.warns(DeprecationWarning, match="learner.lora.enabled"):
+        old = build(LearnerConfig, {"lora": {"r": 4, "alpha": 8}}, "learner.")  # ebpo 0.1: a mapping = on
+    assert (old.lora.enabled, old.lora.r, old.lora.alpha) == (True, 4, 8.0)
+    with pytest.raises(ConfigError, match="learner.lora.r"):
+        build(LearnerConfig, {"lora": {"enabled": True, "r": 0}}, "learner.")

@@ -1,4 +1,11 @@
-"""Driver side of the learner -> rollout-worker weight sync for `RLTrainer` (systems code, no algorithm).
+"""The one owner of the policy's weight versions and of their transport, learner -> rollout workers
+(systems code, no algorithm); both RL loops use it.
+
+Version v is the learner's weights after its v-th publication (0 = the initial policy). Synchronous loop:
+`sync()` makes the next version and brings every rollout worker to it. Asynchronous loop: `publish()` makes
+the next version and puts it into the object store, bucketed as a sync does, without loading it anywhere;
+`holding(weights)` loads a given version into the rollout workers (unless they hold it) and keeps it there
+while the caller generates. A (re)started rollout worker starts from `restart_weights()`.
 
 `ray.weight_sync=object_store`: the learner puts its weights into the Ray object store once, one part per
 bucket of `ray.bucket_mb` as it gathers them (`rollout.weight_sync.WeightParts`), and every rollout worker
@@ -9,7 +16,15 @@ group, and after `MAX_BROADCAST_FAILURES` failures in a row the run stays on the
 """
 from __future__ import annotations
 
-from typing import Callable
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, NamedTuple, Optional
+
+
+class Weights(NamedTuple):
+    """One weight version: its number and an object-store reference to it (`rollout.weight_sync.WeightParts`)."""
+    version: int
+    ref: Any
 
 
 def brief(err: BaseException) -> str:
@@ -19,8 +34,8 @@ def brief(err: BaseException) -> str:
     return f"{type(cause).__name__}: {lines[0][:300] if lines else ''}"
 
 
-class WeightSyncDriver:
-    """Keeps the rollout workers on the learner's weights; `version` counts the syncs done.
+class PolicyWeights:
+    """Keeps the rollout workers on the learner's weights; `version` counts the versions made.
 
     ray: the `ray` module. ray_cfg: the recipe's `ray` section (`weight_sync`, `bucket_mb`, `sync_timeout_s`,
     `learner_gpus`, `rollout_gpus`). event: logs one line to the run's event list.
@@ -32,7 +47,10 @@ class WeightSyncDriver:
     def __init__(self, ray, ray_cfg, event: Callable[[str], None]):
         self.ray, self.cfg, self._event = ray, ray_cfg, event
         self.version = 0
-        self.latest_weights = None  # ObjectRef of the last state dict put in the object store
+        self._latest = None  # object-store reference of the last synced version (None: ask the learner)
+        self.published: Optional[Weights] = None  # asynchronous loop: the newest version, not yet loaded
+        self._held: Optional[Weights] = None  # the version `holding` loaded into the rollout workers
+        self._lock = threading.Lock()  # load + generate together (the asynchronous producer thread, eval)
         self.learner = None
         self.rollout_workers: list = []
         # each rollout worker's `restarts` when the group was formed (None: no group), and broadcast
@@ -46,45 +64,94 @@ class WeightSyncDriver:
         if self.cfg.weight_sync == "broadcast":
             self._form_group()
 
-    def restart_weights(self):
-        """Weights for a (re)started rollout worker: None (the base model) before the first sync, else the
-        last synced policy (an ObjectRef, resolved by Ray when the actor is created)."""
+    def detach(self) -> None:
+        """The learner died: forget every reference its rank 0 owned (they died with it) and close the
+        broadcast group; `attach` the new learner next."""
+        self._latest, self.published, self._held = None, None, None
+        if self.cfg.weight_sync == "broadcast":
+            self.close_group()
+
+    def restart_weights(self) -> dict:
+        """Keyword arguments `weights`, `weights_version` of a (re)started rollout worker: the version
+        `holding` loaded (so retried work samples exactly what the lost work would have), else None (the base
+        model) before the first sync, else the last synced policy (an ObjectRef, resolved by Ray when the
+        actor is created)."""
+        if self._held is not None:
+            return {"weights": self._held.ref, "weights_version": self._held.version}
+        return {"weights": self._synced_weights(), "weights_version": self.version}
+
+    def _synced_weights(self):
         if self.cfg.weight_sync == "object_store" or self.version == 0:
-            return self.latest_weights
+            return self._latest
         # Broadcast mode keeps no copy in the object store, so ask the learner. Its weights equal the last
         # synced ones here: a sync runs right after every learner update, and a worker is only (re)started
         # outside that pair -- during rollout, reward or evaluation, or inside the sync itself, whose version
         # is the learner's current weights. The learner runs calls in order, so this read comes after any
         # update already submitted.
-        return self.learner.weight_parts.remote(self._bucket_bytes())
+        return self.learner.weight_parts(self._bucket_bytes())
 
     def _bucket_bytes(self) -> int:
         return max(1, int(self.cfg.bucket_mb * 2**20))
 
     def sync(self) -> dict[str, float]:
-        """Bring every rollout worker to the learner's weights as version + 1; returns sync/* metrics
-        (broadcast mode only: bytes and buckets broadcast, both 0 when that sync fell back)."""
+        """Synchronous loop: bring every rollout worker to the learner's weights as version + 1; returns
+        sync/* metrics (broadcast mode only: bytes and buckets broadcast, both 0 when that sync fell back)."""
         self.version += 1
         if self.cfg.weight_sync == "object_store":
             self._by_object_store()
             return {}
         if self.broadcast_failures >= self.MAX_BROADCAST_FAILURES:
             self._by_object_store()
-            self.latest_weights = None  # restarted workers ask the learner (see restart_weights)
+            self._latest = None  # restarted workers ask the learner (see restart_weights)
             return {"sync/bytes": 0.0, "sync/buckets": 0.0}
         return self._by_broadcast()
 
+    def current(self) -> Weights:
+        """The learner's weights now, as the current version, in the object store (bucketed)."""
+        self.published = Weights(self.version, self.learner.weight_parts(self._bucket_bytes()))
+        return self.published
+
+    def publish(self) -> Weights:
+        """Asynchronous loop: the learner's new weights as version + 1 in the object store, bucketed as
+        a sync puts them; the rollout workers load them when a step asks for them (`holding`)."""
+        self.version += 1
+        return self.current()
+
+    @contextmanager
+    def holding(self, weights: Optional[Weights]) -> Iterator[None]:
+        """Within the block the rollout workers hold `weights` (loaded first unless they hold that version;
+        None = whatever they hold) and nobody else loads another version."""
+        with self._lock:
+            if weights is not None and (self._held is None or self._held.version != weights.version):
+                self._held = weights  # before the loads: a worker restarted meanwhile gets them too
+                self._load_all(weights.ref, weights.version)
+            yield
+
+    def state(self) -> dict:
+        """What a checkpoint records: the version number."""
+        return {"version": self.version}
+
+    def restore(self, state: dict) -> None:
+        self.version = int(state["version"])
+
+    def reset(self) -> None:
+        """Back to the initial policy's version (a learner rebuilt without a checkpoint)."""
+        self.version = 0
+
     def close_group(self) -> None:
         """Close the group on every member; a restarted worker has none, a dead one cannot answer."""
-        refs = [self.learner.close_sync_group.remote()] + [w.handle.close_sync_group.remote()
+        refs = [self.learner.close_sync_group()] + [w.handle.close_sync_group.remote()
                                                             for w in self.rollout_workers]
         self.ray.wait(refs, num_returns=len(refs), timeout=60)
         self.group_restarts = None
 
     # ------------------------------------------------------------------------------------------------ internals
     def _by_object_store(self) -> None:
-        self.latest_weights = self.learner.weight_parts.remote(self._bucket_bytes())
-        tickets = [w.submit("load_weights", self.latest_weights, self.version) for w in self.rollout_workers]
+        self._latest = self.learner.weight_parts(self._bucket_bytes())
+        self._load_all(self._latest, self.version)
+
+    def _load_all(self, ref, version: int) -> None:
+        tickets = [w.submit("load_weights", ref, version) for w in self.rollout_workers]
         for w, t in zip(self.rollout_workers, tickets):
             w.result(t)
 
@@ -96,7 +163,7 @@ class WeightSyncDriver:
             return self._fall_back("no weight-sync group")
         if self.group_restarts != [w.restarts for w in self.rollout_workers]:
             return self._fall_back("a rollout worker was restarted since the weight-sync group was formed")
-        send = self.learner.broadcast_weights.remote(self.version, self._bucket_bytes())
+        send = self.learner.broadcast_weights(self.version, self._bucket_bytes())
         receives = [w.handle.receive_weights.remote(self.version) for w in self.rollout_workers]
         try:
             stats = self._get_all([send, *receives])[0]
@@ -124,7 +191,7 @@ class WeightSyncDriver:
         self._event(f"weight sync v{self.version}: {reason}; using the object store for this sync and "
                     "re-forming the broadcast group")
         self._by_object_store()  # restarts any dead rollout worker (ResilientActor) with these weights
-        self.latest_weights = None  # restarted workers ask the learner (see restart_weights)
+        self._latest = None  # restarted workers ask the learner (see restart_weights)
         self._form_group()
         return {"sync/bytes": 0.0, "sync/buckets": 0.0}
 
@@ -143,8 +210,8 @@ class WeightSyncDriver:
         # NCCL only when every member holds a whole GPU: fractional GPUs may share a device, which NCCL refuses.
         device = "cuda" if rc.learner_gpus >= 1 and rc.rollout_gpus >= 1 else "cpu"
         try:
-            addr, port = self.ray.get(self.learner.sync_endpoint.remote())
-            joins = [self.learner.join_sync_group.remote(addr, port, n, rc.sync_timeout_s, device)]
+            addr, port = self.ray.get(self.learner.sync_endpoint())
+            joins = [self.learner.join_sync_group(addr, port, n, rc.sync_timeout_s, device)]
             joins += [w.handle.join_sync_group.remote(addr, port, i + 1, n, rc.sync_timeout_s, device)
                       for i, w in enumerate(self.rollout_workers)]
             self._get_all(joins)

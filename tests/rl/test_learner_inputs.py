@@ -6,7 +6,7 @@ import torch
 
 from ebpo.infra.config import ConfigError, load_config
 from ebpo.infra.data import DataError, collate, filter_overlong_prompts
-from ebpo.rl.batch import build_learner_batch
+from ebpo.rl.records import build_learner_batch
 from ebpo.rl.config import RLConfig, model_block_size
 
 EOS, MASK = 1, 2
@@ -38,9 +38,9 @@ def test_learner_batch_is_the_sampled_canvas_block_for_block():
         end = len(p) + len(o.token_ids)
         block_end = -(-end // K) * K
         assert o.tail_ids == final[i][end:block_end]  # the rest of the last block, as sampled
-        assert batch["input_ids"][i, :block_end].tolist() == final[i][:block_end]
-        assert batch["response_mask"][i].nonzero().flatten().tolist() == list(range(len(p), block_end))
-        assert int(batch["response_lens"][i]) == len(o.token_ids)
+        assert batch.input_ids[i, :block_end].tolist() == final[i][:block_end]
+        assert batch.response_mask[i].nonzero().flatten().tolist() == list(range(len(p), block_end))
+        assert int(batch.response_lens[i]) == len(o.token_ids)
         n_cut += not o.finished_by_eos
     assert n_cut > 0 and any(o.tail_ids for o in outs)  # a cut response with real tokens after the cut
 
@@ -52,8 +52,8 @@ def test_rl_and_sft_agree_on_the_last_block():
     tail = [EOS] * (-(-8 // K) * K - 8)
     rl = build_learner_batch([prompt], [response], torch.zeros(1), torch.zeros(1), pad_id=EOS, tail_ids=[tail])
     ids, resp = collate([(prompt + response, len(prompt))], K, pad_id=EOS, eos_id=EOS, mask_id=MASK)
-    n = rl["input_ids"].shape[1]
-    assert torch.equal(ids[:, :n], rl["input_ids"]) and torch.equal(resp[:, :n], rl["response_mask"])
+    n = rl.input_ids.shape[1]
+    assert torch.equal(ids[:, :n], rl.input_ids) and torch.equal(resp[:, :n], rl.response_mask)
     assert not resp[:, n:].any()
 
 
@@ -117,21 +117,18 @@ def test_filter_overlong_prompts_counts_or_refuses():
 
 def test_trainer_drops_overlong_prompts_at_load_time_and_counts_them(tmp_path):
     from ebpo.model.loading import load_model_tokenizer
-    from ebpo.rl.trainer import RLTrainer
+    from ebpo.rl.prompts import Prompts
 
     rows = [{"prompt": "1+2", "answer": "3"}, {"prompt": "9" * 200, "answer": "9"}, {"prompt": "4+4", "answer": "8"}]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    trainer = object.__new__(RLTrainer)  # the loading step only: no Ray, no actors
-    trainer.cfg = load_config(RLConfig, "recipes/quickstart.yaml", ["data.max_prompt_tokens=64"])
-    trainer.tokenizer = load_model_tokenizer("tiny-sft")
-    trainer.data_metrics = {}
-    kept = trainer._load_prompts(str(path), "train")
+    tokenizer = load_model_tokenizer("tiny-sft")  # the loading step only: no Ray, no actors
+    prompts = Prompts(load_config(RLConfig, "recipes/quickstart.yaml", ["data.max_prompt_tokens=64"]).data, tokenizer)
+    kept = prompts.load(str(path), "train")
     assert [r["prompt"] for r in kept] == ["1+2", "4+4"]
-    assert trainer.data_metrics == {"data/overlong_train_prompts": 1.0}
-    ids = trainer.encode_prompt(kept[0])
-    assert trainer.tokenizer.decode(ids).startswith("<|user|>")  # never cut: the chat header is there
-    trainer.cfg = load_config(RLConfig, "recipes/quickstart.yaml",
-                              ["data.max_prompt_tokens=64", "data.overlong_prompts=error"])
+    assert prompts.metrics == {"data/overlong_train_prompts": 1.0}
+    ids = prompts.encode(kept[0])
+    assert tokenizer.decode(ids).startswith("<|user|>")  # never cut: the chat header is there
+    strict = load_config(RLConfig, "recipes/quickstart.yaml", ["data.max_prompt_tokens=64", "data.overlong_prompts=error"])
     with pytest.raises(DataError, match="data.train row 1"):
-        trainer._load_prompts(str(path), "train")
+        Prompts(strict.data, tokenizer).load(str(path), "train")

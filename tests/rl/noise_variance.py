@@ -1,6 +1,6 @@
 """Measure the spread of the two noise forms (`learner.noise: bernoulli | exact_elbo`) on quickstart data.
 
-    python tests/learner/noise_variance.py [--prompts 16 --group 4 --reps 24 --block-size 0 --json OUT]
+    python tests/rl/noise_variance.py [--prompts 16 --group 4 --reps 24 --block-size 0 --json OUT]
 
 Rollouts of the quickstart model (tiny-sft-mixed, Q Mode, temperature 1, 40 new tokens) on training
 prompts; "old" = that model, "new" = the model after one quickstart learner update (lr 5e-5, the math
@@ -38,7 +38,7 @@ def main(argv=None):
     from ebpo.core.likelihood import all_composites, draw_noise
     from ebpo.infra.data import encode_prompt, load_rows
     from ebpo.model.loading import load_model, load_model_tokenizer
-    from ebpo.rl.batch import build_learner_batch
+    from ebpo.rl.records import build_learner_batch
     from ebpo.rl.learner import EBPOLearner, LearnerConfig
 
     t0 = time.time()
@@ -60,7 +60,7 @@ def main(argv=None):
                                                               seed=args.seed))
     learner.update(batch)
     new = learner.get_model().eval()
-    ids, resp = batch["input_ids"], batch["response_mask"]
+    ids, resp = batch.input_ids, batch.response_mask
     B = ids.shape[0]
     out = {"sequences": B, "response_tokens_mean": float(resp.sum(1).float().mean()), "block_size": K,
            "reward_mean": float(scores.mean()), "reps": args.reps}

@@ -1,0 +1,205 @@
+"""The records that cross between the RL roles, checked when they are built (not where they are used).
+
+    rollout worker --RolloutSample--> collect --StepRecord--> learn --LearnerBatch--> learner ranks
+
+`RolloutSample`: one decoded response as the driver keeps it. `StepRecord`: everything `collect` made for
+one step (rollouts, scores, advantages, the rows kept), which asynchronous RL hands from its producer
+thread to the learner and saves with a checkpoint while it is in flight. `LearnerBatch`: the right-padded
+tensors of one learner update. A record with a wrong shape or a missing field raises ValueError naming
+the field at construction.
+
+Extension points (agentic multi-turn rollouts, editing objectives): `RolloutSample.metadata` carries
+per-sample data from a rollout to a reward and to the step's record untouched; `LearnerBatch.response_mask`
+selects the positions the learner scores (a multi-turn sample masks the tool outputs there).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+
+from ebpo.core.likelihood import response_mask_from_ids
+
+
+@dataclass
+class RolloutSample:
+    """One response decoded by a rollout worker (`rollout.worker.RolloutWorker.generate`).
+
+    token_ids: the response (ends at its first EOS, EOS included, or is cut at max_new_tokens);
+    tail_ids: the rest of the response's last block as the sampler's canvas held it (docs/ebpo.md);
+    num_forwards / num_edits: the decode's forwards and T2T rewrites; tpf: tokens per forward;
+    edit_log: the decoder's rewrites ([position, old, new, ...] lists, `rollout.edits`);
+    weights_version: the weight version that sampled it (asynchronous RL's staleness);
+    metadata: free per-sample data (kept as is; for rollouts that need more than one decode).
+    """
+    token_ids: list[int]
+    text: str
+    num_forwards: int
+    tpf: float
+    num_edits: int
+    finished_by_eos: bool
+    tail_ids: list[int] = field(default_factory=list)
+    edit_log: list[list[int]] = field(default_factory=list)
+    weights_version: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.token_ids, list) or not all(isinstance(t, int) for t in self.token_ids):
+            raise ValueError("RolloutSample.token_ids: expected a list of token ids")
+        if not isinstance(self.text, str):
+            raise ValueError(f"RolloutSample.text: expected a string, got {type(self.text).__name__}")
+        if self.num_forwards < 0 or self.num_edits < 0:
+            raise ValueError(f"RolloutSample: negative counts (num_forwards {self.num_forwards}, "
+                             f"num_edits {self.num_edits})")
+
+    @classmethod
+    def from_worker(cls, out: Mapping[str, Any]) -> "RolloutSample":
+        """The record of one dict returned by a rollout worker; unknown keys are an error."""
+        try:
+            return cls(**out)
+        except TypeError as err:
+            raise ValueError(f"RolloutSample: the rollout worker returned {sorted(out)}: {err}") from None
+
+
+@dataclass
+class StepRecord:
+    """What `ebpo.rl.step.collect` made for one step; B = samples drawn (prompts drawn x group size).
+
+    rows: the prompt rows drawn (every dynamic-sampling round); prompt_ids: (B) token-id lists, one per
+    sample; samples: (B) rollouts; scores: (B,) fp32 combined rewards; group_ids: (B,) long prompt index;
+    advantages: (B,) fp32; keep: (B,) bool rows the learner trains on; metrics: reward, rollout and
+    data metrics of the step; times: `timing_s/*` seconds (wall clock, accumulated over rounds);
+    sampler_after: the prompt sampler's state after this step's draws (checkpoints of in-flight steps).
+    """
+    step: int
+    rows: list[dict]
+    prompt_ids: list[list[int]]
+    samples: list[RolloutSample]
+    scores: torch.Tensor
+    group_ids: torch.Tensor
+    advantages: torch.Tensor
+    keep: torch.Tensor
+    metrics: dict[str, float]
+    times: dict[str, float]
+    sampler_after: dict
+
+    def __post_init__(self):
+        B = len(self.samples)
+        if len(self.prompt_ids) != B:
+            raise ValueError(f"StepRecord.prompt_ids: {len(self.prompt_ids)} prompts for {B} samples")
+        for name in ("scores", "group_ids", "advantages", "keep"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.shape != (B,):
+                raise ValueError(f"StepRecord.{name}: expected a tensor of shape ({B},), got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if self.keep.dtype != torch.bool:
+            raise ValueError(f"StepRecord.keep: expected bool, got {self.keep.dtype}")
+
+    def kept(self) -> list[int]:
+        """Indices of the samples the learner trains on, in draw order."""
+        return self.keep.nonzero().flatten().tolist()
+
+
+@dataclass
+class LearnerBatch:
+    """One learner update's rows, right-padded to L; B rows.
+
+    input_ids (B, L) long prompt + response (+ tail) + padding; prompt_lens (B,) long; response_lens
+    (B,) long (response without its tail); response_mask (B, L) bool: the positions scored (never
+    padding, never the prompt); advantages (B,) fp32, already normalised per prompt group; group_ids
+    (B,) long (bookkeeping); weight_version (B,) long or None: the weight version that sampled each row
+    (asynchronous RL; None = all current).
+    """
+    input_ids: torch.Tensor
+    prompt_lens: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor
+    response_lens: Optional[torch.Tensor] = None
+    group_ids: Optional[torch.Tensor] = None
+    weight_version: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        ids = self.input_ids
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError(f"LearnerBatch.input_ids: expected (B, L), got "
+                             f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        B, L = ids.shape
+        if self.response_mask.shape != (B, L):
+            raise ValueError(f"LearnerBatch.response_mask: expected shape ({B}, {L}), got "
+                             f"{tuple(self.response_mask.shape)}")
+        for name in ("prompt_lens", "advantages", "response_lens", "group_ids", "weight_version"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (B,):
+                raise ValueError(f"LearnerBatch.{name}: expected shape ({B},), got {tuple(t.shape)}")
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def from_mapping(cls, batch: Mapping[str, Any], eos_id: int) -> "LearnerBatch":
+        """A batch given as a dict of tensors (or lists): `input_ids`, `prompt_lens`, `advantages` required;
+        `response_mask` computed from the ids (`ebpo.core.likelihood.response_mask_from_ids`) when missing."""
+        for key in ("input_ids", "prompt_lens", "advantages"):
+            if key not in batch:
+                raise ValueError(f"batch: missing field {key!r} (have {sorted(batch)})")
+        unknown = set(batch) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise ValueError(f"batch: unknown fields {sorted(unknown)}; allowed {sorted(cls.__dataclass_fields__)}")
+        ids = torch.as_tensor(batch["input_ids"]).long()
+        if ids.dim() != 2:
+            raise ValueError(f"batch.input_ids: expected (B, L), got {tuple(ids.shape)}")
+        prompt_lens = torch.as_tensor(batch["prompt_lens"]).long()
+        adv = torch.as_tensor(batch["advantages"]).float()
+        for key, t in (("prompt_lens", prompt_lens), ("advantages", adv)):
+            if t.shape != (ids.shape[0],):
+                raise ValueError(f"batch.{key}: expected shape ({ids.shape[0]},), got {tuple(t.shape)}")
+        resp = batch.get("response_mask")
+        if resp is not None:
+            resp = torch.as_tensor(resp).bool()
+            if resp.shape != ids.shape:
+                raise ValueError(f"batch.response_mask: expected shape {tuple(ids.shape)}, got {tuple(resp.shape)}")
+        else:
+            resp = response_mask_from_ids(ids, prompt_lens, eos_id)
+        optional = {k: None if batch.get(k) is None else torch.as_tensor(batch[k]).long()
+                    for k in ("response_lens", "group_ids", "weight_version")}
+        return cls(input_ids=ids, prompt_lens=prompt_lens, response_mask=resp, advantages=adv, **optional)
+
+
+def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], advantages: torch.Tensor,
+                        group_ids: torch.Tensor, pad_id: int, tail_ids: list[list[int]] | None = None,
+                        weight_version: list[int] | None = None) -> LearnerBatch:
+    """Right-padded learner batch.
+
+    prompt_ids[i], response_ids[i]: token ids (the response ends at its first EOS, EOS included, or is
+    cut at max_new_tokens). tail_ids[i] (optional): what the sampler's canvas holds after the response up
+    to the end of the response's last block (the rest of that block: tokens after the EOS, or past
+    max_new_tokens for a cut response). The tail is appended and scored with the response, so the
+    learner's sequence is the canvas the sampler really produced, block for block (docs/ebpo.md, "The
+    last block"). Without tails, positions after the response are `pad_id` and not scored.
+    weight_version[i] (optional): the weight version that sampled row i (asynchronous RL).
+    """
+    B = len(prompt_ids)
+    tails = tail_ids if tail_ids is not None else [[] for _ in range(B)]
+    if len(tails) != B:
+        raise ValueError(f"tail_ids: {len(tails)} tails for {B} responses")
+    scored = [list(r) + list(t) for r, t in zip(response_ids, tails)]
+    lens = [len(p) + len(r) for p, r in zip(prompt_ids, scored)]
+    L = max(lens)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    response_mask = torch.zeros(B, L, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompt_ids, scored)):
+        input_ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        if r:
+            input_ids[i, len(p): len(p) + len(r)] = torch.tensor(r, dtype=torch.long)
+            response_mask[i, len(p): len(p) + len(r)] = True
+    return LearnerBatch(
+        input_ids=input_ids,
+        prompt_lens=torch.tensor([len(p) for p in prompt_ids], dtype=torch.long),
+        response_lens=torch.tensor([len(r) for r in response_ids], dtype=torch.long),
+        response_mask=response_mask,
+        advantages=advantages.float(),
+        group_ids=group_ids.long(),
+        weight_version=None if weight_version is None else torch.tensor(weight_version, dtype=torch.long),
+    )

@@ -1,0 +1,148 @@
+"""Start-up of an RL run, in the order that fails cheaply: check everything, then create the run directory,
+then start the actors. `start_run(cfg)` returns the `RLRun` both loops work on.
+
+1. the configuration was built and validated whole by `load_config` (the learner section included);
+   here the model (block sizes), the tokenizer, the prompt files and the rewards (one dry run on a real
+   row, in-process) are checked, before anything is written;
+2. the run directory is created and printed once, and `config.yaml` written;
+3. Ray starts (or is joined), the actors start, a resumed run restores its latest checkpoint, tracking starts.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from rewards import RewardWorker, as_spec
+
+from ebpo.infra.checkpoint import latest_checkpoint
+from ebpo.infra.config import ConfigError, to_dict
+from ebpo.infra.run_config import open_run_dir
+from ebpo.infra.tracking import Tracker
+from ebpo.model.loading import load_model_tokenizer, resolve_model_path
+from ebpo.rl.checkpoints import restore
+from ebpo.rl.cluster import Cluster, EventLog
+from ebpo.rl.config import RLConfig, model_block_size
+from ebpo.rl.launch import ray_init_kwargs, resolve_run_dir
+from ebpo.rl.prompts import PromptSampler, Prompts, reward_input
+from ebpo.rl.records import StepRecord
+from ebpo.rl.weights import PolicyWeights
+
+log = logging.getLogger("ebpo")
+
+
+@dataclass
+class RLRun:
+    """What both RL loops share: the configuration, the data, the actors, the weight versions, tracking.
+
+    start_step: the last step done (0 for a new run, the checkpoint's step after a resume); in_flight:
+    records of steps the asynchronous loop had collected ahead when the checkpoint was written;
+    version_log: (step, learner version, each trained sample's weight version) per update."""
+    cfg: RLConfig
+    run_dir: Path
+    tokenizer: Any
+    prompts: Prompts
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    sampler: PromptSampler
+    reward_specs: list[tuple]
+    reward_names: list[str]
+    judge_names: list[str]
+    events: EventLog
+    model_spec: str = ""
+    cluster: Cluster = None
+    weights: PolicyWeights = None
+    tracker: Tracker = None
+    start_step: int = 0
+    resumed: bool = False
+    in_flight: list[StepRecord] = field(default_factory=list)
+    version_log: list[tuple[int, int, list[int]]] = field(default_factory=list)
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def learner(self):
+        """The learner group (rebuilt when a rank dies, so always read it here)."""
+        return self.cluster.learner
+
+    def close(self, plot) -> None:
+        """Plots (`plot(run_dir)`, or None), W&B finish, then the actors (the Ray instance stays)."""
+        try:
+            if plot is not None:
+                plot(self.run_dir)
+            self.tracker.finish()
+        finally:
+            self.cluster.stop()
+
+
+def check(cfg: RLConfig) -> RLRun:
+    """Step 1: everything that can be checked before a run directory exists (see the module docstring)."""
+    model_spec = resolve_model_path(cfg.model)
+    for warning in cfg.check_against_model(model_block_size(model_spec)):  # block sizes, MBE
+        log.warning(warning)
+    tokenizer = load_model_tokenizer(model_spec)
+    prompts = Prompts(cfg.data, tokenizer)
+    train_rows = prompts.load(cfg.data.train, "train")
+    eval_rows = prompts.load(cfg.data.eval, "eval") if cfg.data.eval else []
+    if cfg.trainer.eval_size and eval_rows:
+        eval_rows = eval_rows[: cfg.trainer.eval_size]
+    reward_specs = [(f.fn, f.weight, f.kwargs) for f in cfg.reward.fns]
+    names = [as_spec(s).name for s in reward_specs]
+    # A user's reward is checked once, in-process, on a real row, before any actor starts.
+    with RewardWorker(reward_specs, num_workers=1, timeout_s=cfg.reward.timeout_s,
+                      default_score=cfg.reward.default_score) as probe:
+        probe.dry_run(reward_input(train_rows[0], "", cfg.data.prompt_field))
+    run_dir = resolve_run_dir(cfg.trainer.resume or cfg.trainer.run_dir, cfg.name)
+    if cfg.trainer.resume and latest_checkpoint(run_dir) is None:
+        raise ConfigError(f"trainer.resume: no checkpoint in {run_dir}/checkpoints")
+    run = RLRun(cfg=cfg, run_dir=run_dir,
+                tokenizer=tokenizer, prompts=prompts, train_rows=train_rows, eval_rows=eval_rows,
+                sampler=PromptSampler(train_rows, cfg.trainer.seed, cfg.data.shuffle), reward_specs=reward_specs,
+                reward_names=names, judge_names=[n for n, f in zip(names, cfg.reward.fns) if f.judge],
+                events=EventLog(), model_spec=model_spec)
+    return run
+
+
+def start_run(cfg: RLConfig) -> RLRun:
+    """Check, create the run directory, start the actors, restore a checkpoint when resuming (module docstring)."""
+    run = check(cfg)
+    # everything is checked: only now is anything written (a bad key leaves no run directory behind); a
+    # resume never rewrites config.yaml and refuses changes to what the run learns (ebpo/infra/run_config.py)
+    open_run_dir(run.run_dir, to_dict(cfg), resume=bool(cfg.trainer.resume), allowed=cfg.trainer.resume_changes)
+    print(f"ebpo: run directory {run.run_dir}", flush=True)
+    if not ray.is_initialized():
+        ray.init(**ray_init_kwargs(cfg.ray, run.events))
+    run.weights = PolicyWeights(ray, cfg.ray, run.events)  # learner -> rollout workers
+    run.cluster = Cluster(cfg, run.model_spec, run.reward_specs, run.events)
+    run.cluster.start(run.weights.restart_weights)
+    run.weights.attach(run.cluster.learner, run.cluster.rollout_workers)
+    run_id = None
+    if cfg.trainer.resume:
+        run_id = restore(run)
+        run.resumed = True
+    run.tracker = Tracker(run.run_dir, to_dict(cfg), project=cfg.trainer.wandb_project, mode=cfg.trainer.tracking,
+                          run_id=run_id)
+    if run.start_step == 0:
+        run.tracker.log(run.prompts.metrics, step=0)
+    return run
+
+
+def rebuild_learner(run: RLRun, err: Exception) -> int:
+    """A learner rank died: a new learner group, restored (with the sampler and weight version) from the
+    latest checkpoint, or from the initial policy if there is none; returns the step to continue after.
+    The caller brings the rollout workers to the restored weights as its loop does."""
+    run.weights.detach()  # the object-store parts of the last sync died with their owner (the old rank 0)
+    run.weights.attach(run.cluster.new_learner(err), run.cluster.rollout_workers)
+    if latest_checkpoint(run.run_dir) is not None:
+        events = list(run.events)
+        restore(run)
+        run.events[:] = events  # the checkpoint's list predates this failure
+        return run.start_step
+    run.sampler.restore({"epoch": 0, "position": 0})
+    run.weights.reset()
+    run.start_step, run.in_flight = 0, []
+    return 0
