@@ -81,6 +81,9 @@ class SFTTrainer:
         base.config.block_size = self.block_size  # the exported model says which blocks it was trained on
         self.mask_id = base.config.mask_token_id
         exclude = set(self.tokenizer.all_special_ids) - {self.tokenizer.eos_token_id} | {self.mask_id}
+        # the edit-control tokens (ids that were unused before issue 29) stay allowed substitutes, so the T2T
+        # noise of a run is what it was before they were named
+        exclude -= {getattr(base.config, "delete_token_id", None), getattr(base.config, "insert_token_id", None)}
         self.allowed_ids = substitution_ids(base.config.vocab_size, sorted(exclude))
         if tc.gradient_checkpointing:
             enable_activation_checkpointing(base)
