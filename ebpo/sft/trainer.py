@@ -80,6 +80,9 @@ class SFTTrainer:
         self.block_size = cfg.block_size or base.config.block_size
         base.config.block_size = self.block_size  # the exported model says which blocks it was trained on
         self.mask_id = base.config.mask_token_id
+        if cfg.objective.lev_weight > 0 and getattr(base.config, "delete_token_id", None) is None:
+            raise ValueError("objective.lev_weight: the model's config has no delete_token_id / insert_token_id "
+                             "(start from preset:tiny, whose vocabulary names them)")
         exclude = set(self.tokenizer.all_special_ids) - {self.tokenizer.eos_token_id} | {self.mask_id}
         # the edit-control tokens (ids that were unused before issue 29) stay allowed substitutes, so the T2T
         # noise of a run is what it was before they were named
@@ -212,6 +215,17 @@ class SFTTrainer:
                                      window=ob.mbe_window, rate=ob.t2t_rate, keep_weight=ob.keep_weight,
                                      allowed_ids=self.allowed_ids, generator=generator)
             loss = loss + ob.mbe_weight * mbe
+            metrics.update(m, **{"loss/total": float(loss.detach())})
+        if ob.lev_weight > 0:  # Levenshtein rounds on the first round's draft (ebpo/core/lev_objective.py)
+            from ebpo.core.lev_objective import levenshtein_loss
+
+            if shard is not None:
+                raise ValueError("objective.lev_weight: the Levenshtein rounds run on one rank only; set "
+                                 "objective.lev_weight=0 or train on one rank")
+            mc = self.model_config
+            lev, m = levenshtein_loss(fwd, self.lm_head, clean, response, draft, ob, self.block_size, self.mask_id,
+                                      mc.delete_token_id, mc.insert_token_id, self.allowed_ids, generator)
+            loss = loss + ob.lev_weight * lev
             metrics.update(m, **{"loss/total": float(loss.detach())})
         return loss, metrics, draft
 
