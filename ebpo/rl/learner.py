@@ -29,6 +29,7 @@ from ebpo.rl.learner_config import LORA_TARGETS, LearnerConfig, lr_factor  # noq
 from ebpo.rl.async_behaviour import BehaviourSnapshots, behaviour_of_rows, prepare_behaviour
 from ebpo.rl.sharding import balance_by_tokens, loss_weight, padded_lengths, token_microbatches
 from ebpo.core.editing import editing_draws, t2t_stats
+from ebpo.core import lev_likelihood
 from ebpo.core.likelihood import all_composites, direct_backward, draw_noise, replay_backward, response_mask_from_ids
 
 
@@ -247,6 +248,8 @@ class EBPOLearner:
         noise = draw_noise(resp, self.block_size, cfg.n_draws, cfg.t_min, cfg.t_max, self.generator, cfg.noise)
         if cfg.t2t_weight > 0:  # a generator of its own: the M2T draws and minibatch order stay the mask-only ones
             noise = editing_draws(noise, ids, resp, cfg, self.fwd, self.model_config, self.updates_done)
+        if cfg.levenshtein:  # L-EBPO: edit labels per draw from the rollouts' pre-edit drafts
+            noise = lev_likelihood.learner_draws(noise, ids, resp, batch, self.model_config, cfg.levenshtein_weight)
         perm = torch.randperm(B, generator=self.generator)
         mbs = list(perm.split(cfg.minibatch_size or B))
         if min(len(mb) for mb in mbs) < self.world_size:
@@ -327,7 +330,8 @@ class EBPOLearner:
         metrics["actor/log_ratio_max"] = lr_max
         metrics["actor/lr"] = self.lr_now
         metrics["actor/nonfinite_steps"] = float(self._nonfinite)  # a count per update, not a mean
-        metrics.update(self._likelihood_stats(old, blocks, noise, resp, lengths), **t2t_stats(noise))
+        metrics.update(self._likelihood_stats(old, blocks, noise, resp, lengths), **t2t_stats(noise),
+                       **lev_likelihood.lev_stats(noise, self.model_config))
         metrics["timing_s/old_logprob"] = t_old
         metrics["timing_s/update"] = time.perf_counter() - t0
         return metrics
