@@ -37,6 +37,9 @@ class GenerationOutput:
     edit_log: every such rewrite in order, as (offset from the prompt's end, old token, new token) (empty
         with `compiled_step`, which keeps counts only): what `rollout.edits.edit_counts` scores. Levenshtein
         operations are logged with new = the DELETE or INSERT id (offsets before that round's shift).
+    lev_drafts: for each block in which a Levenshtein operation ran, (offset of the block's start from the
+        prompt's end, possibly negative; the block's K tokens as the forward that first chose one saw them):
+        the pre-edit drafts from which L-EBPO recovers the edit labels (`ebpo.core.lev_likelihood`).
     num_deletes / num_inserts: Levenshtein operations applied (`DecodeConfig.tau_delete` / `tau_insert`; they
         count in num_edits too). A token's trace follows it when a shift moves it.
     tail_ids: the rest of the canvas's block that holds the last token of token_ids (what the decoder wrote
@@ -57,6 +60,7 @@ class GenerationOutput:
     edit_log: list[tuple[int, int, int]] = field(default_factory=list)
     num_deletes: int = 0
     num_inserts: int = 0
+    lev_drafts: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -96,6 +100,7 @@ class _Seq:
     edit_log: list = field(default_factory=list)  # (position, old, new) of every rewrite
     deletes: int = 0
     inserts: int = 0
+    lev_drafts: dict = field(default_factory=dict)  # block -> its tokens before its first Levenshtein operation
 
 
 def _eos_ids(config) -> set[int]:
@@ -309,6 +314,8 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
                     s.edit_log += lev_log(lstep, j, pos[j], cur[j], s.prompt_len, *lev_ids)
                     s.deletes += int((lstep.ops[j] == 2).sum())
                     s.inserts += int((lstep.ops[j] == 3).sum())
+                    if ((lstep.ops[j] == 2) | (lstep.ops[j] == 3)).any():
+                        s.lev_drafts.setdefault(s.block, cur[j].tolist())
                 elif n_edit[j]:
                     e = res.t2t[j]
                     s.edit_log += zip((pos[j][e] - s.prompt_len).tolist(), cur[j][e].tolist(), res.new[j][e].tolist())
@@ -436,4 +443,5 @@ def _output(prompt: list[int], s: _Seq, canvas_row: torch.Tensor, trace_row: tor
     return GenerationOutput(prompt_ids=prompt, token_ids=toks, text=text, num_forwards=s.forwards,
                             tpf=len(toks) / max(s.forwards, 1), num_edits=s.edits, num_mbe_edits=s.mbe_edits,
                             trace=tr, finished_by_eos=cut is not None, tail_ids=tail, edit_log=list(s.edit_log),
-                            num_deletes=s.deletes, num_inserts=s.inserts)
+                            num_deletes=s.deletes, num_inserts=s.inserts,
+                            lev_drafts=[(b * block_size - P, d) for b, d in sorted(s.lev_drafts.items())])

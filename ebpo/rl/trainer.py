@@ -367,6 +367,7 @@ class RLTrainer(AsyncSteps):
             batch = build_learner_batch([prompt_ids[i] for i in idx], [samples[i]["token_ids"] for i in idx],
                                         record["advantages"][keep], record["group_ids"][keep], pad_id=self.eos_id,
                                         tail_ids=[samples[i].get("tail_ids", []) for i in idx])
+            batch["lev_drafts"] = [samples[i].get("lev_drafts", []) for i in idx]  # L-EBPO (learner.levenshtein)
             if asynchronous:  # the learner trains stale rows with the decoupled loss (ebpo.core.offpolicy)
                 versions = [samples[i]["weights_version"] for i in idx]
                 batch["weight_version"] = torch.tensor(versions, dtype=torch.long)

@@ -102,3 +102,20 @@ def test_show_events_carry_the_operations(lev_model):
     for ev in events:
         view.update(ev)
     view.render()
+
+
+def test_pre_edit_drafts_are_recorded_for_l_ebpo(lev_model):
+    from ebpo.core.lev_likelihood import drafts_from_rollouts
+
+    K = lev_model.config.block_size
+    outs = generate(lev_model, PROMPTS, DecodeConfig.preset("quality", max_new_tokens=19, stop_at_eos=False,
+                                                            tau_delete=0.2, tau_insert=0.2))
+    assert any(o.lev_drafts for o in outs)
+    for p, o in zip(PROMPTS, outs):
+        assert bool(o.lev_drafts) == bool(o.num_deletes + o.num_inserts)
+        for off, d in o.lev_drafts:
+            assert (len(p) + off) % K == 0 and len(d) == K
+            assert d[: max(0, -off)] == p[len(p) + off:]  # a block shared with the prompt keeps the prompt
+        ids = torch.tensor([p + o.token_ids + o.tail_ids])
+        drafts = drafts_from_rollouts(ids, torch.tensor([len(p)]), [o.lev_drafts], K)
+        assert drafts.shape == ids.shape
