@@ -90,11 +90,12 @@ def apply_predictions(draft: torch.Tensor, pred: torch.Tensor, block_size: int, 
     return apply_ops(draft.reshape(-1, block_size), ops, toks, mask_id).reshape(B, L)
 
 
-def lev_round(model, lm_head, draft, clean, editable, block_size, mask_id, delete_id, insert_id, keep_weight):
+def lev_round(model, lm_head, draft, clean, editable, block_size, mask_id, delete_id, insert_id, keep_weight,
+              edit_weight=1.0):
     """One Levenshtein round: (loss scalar, metrics, predicted ids (B, L) detached).
 
     loss = sum over editable positions of w_i * CE(label_i) / number of editable positions, w = keep_weight where
-    the label is keep (the draft's own token), 1 elsewhere.
+    the label is keep (the draft's own token), edit_weight where it is DELETE or INSERT, 1 elsewhere.
     """
     from ebpo.core.objectives import noisy_half_hidden
 
@@ -104,6 +105,7 @@ def lev_round(model, lm_head, draft, clean, editable, block_size, mask_id, delet
     target = labels[editable]
     keep = target == draft[editable]
     w = torch.where(keep, torch.full_like(target, 0, dtype=logits.dtype) + keep_weight, torch.ones_like(logits[:, 0]))
+    w = torch.where((target == delete_id) | (target == insert_id), torch.full_like(w, edit_weight), w)
     n = max(int(editable.sum()), 1)
     loss = (F.cross_entropy(logits, target, reduction="none") * w).sum() / n if target.numel() else logits.sum() * 0
     with torch.no_grad():
@@ -144,7 +146,7 @@ def levenshtein_loss(model, lm_head, clean: torch.Tensor, response_mask: torch.T
     metrics: dict[str, float] = {}
     for r in range(cfg.lev_rounds):
         loss, m, pred = lev_round(model, lm_head, draft, clean, editable, block_size, mask_id, delete_id, insert_id,
-                                  cfg.keep_weight)
+                                  cfg.keep_weight, cfg.lev_edit_weight)
         total = total + loss / cfg.lev_rounds
         metrics[f"loss/lev_round{r + 1}"] = float(loss.detach())
         for k, v in m.items():

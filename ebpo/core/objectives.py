@@ -87,6 +87,8 @@ class ObjectiveConfig:
     lev_rounds: int = doc("Levenshtein rounds after the first (each recomputes the labels from the model-edited "
                           "draft; one forward each)", 1)
     lev_fraction: float = doc("fraction of each batch's rows that get the Levenshtein rounds", 0.5)
+    lev_edit_weight: float = doc("weight of the DELETE / INSERT labels in a Levenshtein round (rare next to keep "
+                                 "and fill: a few per hundred positions)", 1.0)
 
     def validate(self):
         if not 0.0 < self.t_min <= self.t_max <= 1.0:
