@@ -1,0 +1,28 @@
+"""The edit-control tokens: ids 105 / 106 of the tiny tokenizer, config fields, shipped models untouched."""
+import pytest
+
+from ebpo.model import LLaDA2MoeConfig, tiny_config
+from ebpo.model.loading import load_model, load_model_tokenizer
+from ebpo.model.tokenizer import DELETE, INSERT, build_tokenizer, load_tokenizer
+
+
+def test_tokenizer_appends_the_edit_tokens_without_moving_any_id():
+    new, old = build_tokenizer(), load_model_tokenizer("tiny-sft")  # tiny-sft ships the tokenizer it was trained with
+    assert new.convert_tokens_to_ids([DELETE, INSERT]) == [105, 106] == [tiny_config().delete_token_id,
+                                                                         tiny_config().insert_token_id]
+    assert {t: i for t, i in new.get_vocab().items() if i < 105} == old.get_vocab()
+    assert load_tokenizer().convert_tokens_to_ids([DELETE, INSERT]) == [105, 106]
+    text = "Compute 12+7. 2+7=9 \\boxed{19}"
+    assert new(text)["input_ids"] == old(text)["input_ids"]
+    assert new.decode([105, 106, 27], skip_special_tokens=True) == "1"
+
+
+def test_config_fields_and_validation():
+    assert LLaDA2MoeConfig().delete_token_id is None  # released configs: no Levenshtein editing
+    assert load_model("tiny-sft").config.delete_token_id is None
+    with pytest.raises(ValueError, match="together"):
+        tiny_config(delete_token_id=105, insert_token_id=None)
+    with pytest.raises(ValueError, match="differ"):
+        tiny_config(delete_token_id=2, insert_token_id=106)
+    with pytest.raises(ValueError, match="inside the vocabulary"):
+        tiny_config(delete_token_id=105, insert_token_id=500)
