@@ -27,6 +27,21 @@ from ebpo.core.objectives import LossShard, mixture_loss, shard_of, take_rows
 from ebpo.sft.config import SFTConfig
 
 
+def name_edit_tokens(model_config, tokenizer):
+    """Set `delete_token_id` / `insert_token_id` of a character-tokenizer model trained before they were named;
+    returns the tokenizer that names them (the project's, whose ids below them are `tokenizer`'s, checked)."""
+    from ebpo.model.tokenizer import DELETE, INSERT, load_tokenizer
+
+    named = load_tokenizer()
+    ids = named.convert_tokens_to_ids([DELETE, INSERT])
+    if {t: i for t, i in named.get_vocab().items() if i < min(ids)} != tokenizer.get_vocab():
+        raise ValueError("edit_tokens: the model's tokenizer is not the project's character tokenizer; set "
+                         "delete_token_id / insert_token_id in its config.json yourself")
+    model_config.delete_token_id, model_config.insert_token_id = ids
+    model_config.validate()
+    return named
+
+
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """LR multiplier at optimizer step `step` (0-based): linear warmup, then cosine down to min_ratio."""
     if warmup > 0 and step < warmup:
@@ -80,6 +95,8 @@ class SFTTrainer:
         self.block_size = cfg.block_size or base.config.block_size
         base.config.block_size = self.block_size  # the exported model says which blocks it was trained on
         self.mask_id = base.config.mask_token_id
+        if cfg.edit_tokens and getattr(base.config, "delete_token_id", None) is None:
+            self.tokenizer = name_edit_tokens(base.config, self.tokenizer)
         if cfg.objective.lev_weight > 0 and getattr(base.config, "delete_token_id", None) is None:
             raise ValueError("objective.lev_weight: the model's config has no delete_token_id / insert_token_id "
                              "(start from preset:tiny, whose vocabulary names them)")

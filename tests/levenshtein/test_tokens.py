@@ -26,3 +26,14 @@ def test_config_fields_and_validation():
         tiny_config(delete_token_id=2, insert_token_id=106)
     with pytest.raises(ValueError, match="inside the vocabulary"):
         tiny_config(delete_token_id=105, insert_token_id=500)
+
+
+def test_sft_names_the_edit_tokens_of_a_model_trained_before_them():
+    from ebpo.sft.trainer import name_edit_tokens
+
+    model = load_model("tiny-sft")
+    tok = name_edit_tokens(model.config, load_model_tokenizer("tiny-sft"))
+    assert (model.config.delete_token_id, model.config.insert_token_id) == (105, 106)
+    assert tok.convert_ids_to_tokens([105, 106]) == [DELETE, INSERT]
+    with pytest.raises(ValueError, match="character tokenizer"):
+        name_edit_tokens(load_model("tiny-sft").config, tok)  # already names them: not the old vocabulary
