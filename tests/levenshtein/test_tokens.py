@@ -37,3 +37,18 @@ def test_sft_names_the_edit_tokens_of_a_model_trained_before_them():
     assert tok.convert_ids_to_tokens([105, 106]) == [DELETE, INSERT]
     with pytest.raises(ValueError, match="character tokenizer"):
         name_edit_tokens(load_model("tiny-sft").config, tok)  # already names them: not the old vocabulary
+
+
+def test_shipped_levenshtein_model_names_the_tokens_and_decodes_with_them():
+    from rollout import DecodeConfig, generate
+
+    model = load_model("tiny-sft-lev").eval()
+    tok = load_model_tokenizer("tiny-sft-lev")
+    assert (model.config.delete_token_id, model.config.insert_token_id) == (105, 106)
+    assert tok.convert_tokens_to_ids([DELETE, INSERT]) == [105, 106]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Compute 17+88."}], add_generation_prompt=True,
+                                     tokenize=False)
+    ids = [tok(prompt, add_special_tokens=False)["input_ids"]]
+    out = generate(model, ids, DecodeConfig.preset("quality", max_new_tokens=40, tau_delete=0.5, tau_insert=0.5),
+                   tokenizer=tok)[0]
+    assert 105 not in out.token_ids and 106 not in out.token_ids and out.finished_by_eos
