@@ -20,7 +20,7 @@ from ebpo.model.cache import StaticKVCache
 from .compiled import StaticDecodeStep, canvas_length, check_supported, compiled_step, draw_noise, prefill
 from .config import DecodeConfig
 from .layout import build_layout, gather_span
-from .levenshtein import edit_probs, lev_log, levenshtein_block_step, shift_trace
+from .levenshtein import DEL, INS, edit_probs, lev_log, levenshtein_block_step, shift_trace
 from .sampling import candidates
 from .steps import block_done, block_step, first_eos, mbe_edit_set, penalty_targets
 
@@ -312,9 +312,9 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
                 s.edits += n_edit[j]
                 if lev and n_edit[j]:
                     s.edit_log += lev_log(lstep, j, pos[j], cur[j], s.prompt_len, *lev_ids)
-                    s.deletes += int((lstep.ops[j] == 2).sum())
-                    s.inserts += int((lstep.ops[j] == 3).sum())
-                    if ((lstep.ops[j] == 2) | (lstep.ops[j] == 3)).any():
+                    s.deletes += int((lstep.ops[j] == DEL).sum())
+                    s.inserts += int((lstep.ops[j] == INS).sum())
+                    if ((lstep.ops[j] == DEL) | (lstep.ops[j] == INS)).any():
                         s.lev_drafts.setdefault(s.block, cur[j].tolist())
                 elif n_edit[j]:
                     e = res.t2t[j]
@@ -327,8 +327,8 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
                                    pos[j][res.t2t[j]].tolist(), done_l[j])
                     if lev:
                         ev.filled, ev.edited = pos[j][lstep.filled[j]].tolist(), pos[j][lstep.rewritten[j]].tolist()
-                        ev.deleted = pos[j][lstep.ops[j] == 2].tolist()
-                        ev.inserted = pos[j][lstep.ops[j] == 3].tolist()
+                        ev.deleted = pos[j][lstep.ops[j] == DEL].tolist()
+                        ev.inserted = pos[j][lstep.ops[j] == INS].tolist()
                     events.append(ev)
                 s.forwards += 1
                 if done_l[j]:

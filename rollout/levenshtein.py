@@ -23,6 +23,8 @@ from ebpo.core.levenshtein import DEL, INS, KEEP, SUB, apply_ops
 
 from .steps import StepResult, block_step
 
+__all__ = ["DEL", "INS", "LevStep", "edit_probs", "edit_sets", "lev_log", "levenshtein_block_step", "shift_trace"]
+
 
 @dataclass
 class LevStep:
