@@ -98,5 +98,6 @@ def main(argv: list[str]) -> int:
         elif not args.show:
             print(out.text)
         else:
-            print(f"{out.text!r}  (forwards {out.num_forwards}, TPF {out.tpf:.2f}, edits {out.num_edits})")
+            lev = f", deletes {out.num_deletes}, inserts {out.num_inserts}" if config.levenshtein else ""
+            print(f"{out.text!r}  (forwards {out.num_forwards}, TPF {out.tpf:.2f}, edits {out.num_edits}{lev})")
     return 0

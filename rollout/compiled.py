@@ -188,6 +188,9 @@ def check_supported(cfg, on_step) -> None:
     if cfg.early_commit is not None:
         raise ValueError("DecodeConfig.compiled_step: early_commit runs only in the eager decoder; set "
                          "compiled_step=false")
+    if cfg.levenshtein:
+        raise ValueError("DecodeConfig.compiled_step: Levenshtein editing (tau_delete / tau_insert) runs only in the "
+                         "eager decoder; set compiled_step=false")
     if not cfg.use_cache:
         raise ValueError("DecodeConfig.compiled_step needs use_cache=true (the step attends a fixed-size KV cache)")
     if on_step is not None:

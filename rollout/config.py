@@ -42,6 +42,11 @@ class DecodeConfig:
     mbe_max_passes: at most this many MBE forwards per finished block (a pass that changes nothing stops early).
     use_cache: prefix KV cache (off = recompute the whole prefix every forward; same tokens, slower).
     stop_at_eos: stop a sequence after the block in which its generated region first holds EOS.
+    tau_delete: Levenshtein editing (LLaDA2.2; the model needs `delete_token_id`): a generated position of the
+        active block whose probability of DELETE is > tau_delete is removed, the tokens after it shift left and
+        the block is padded with [MASK] at the tail. None or negative = off (the default).
+    tau_insert: the same for INSERT: x_i becomes ([MASK], x_i), the block is cut at the tail. None = off.
+    max_lev_edits: at most this many DELETE / INSERT operations per block and round (the most confident).
     compiled_step: run each block iteration as one fixed-shape, host-sync-free step compiled with
         `torch.compile(fullgraph=True)` (`rollout.compiled`; same tokens as the eager loop; no MBE, needs
         the cache). Off by default: compiling costs tens of seconds on CPU before the first step.
@@ -64,6 +69,9 @@ class DecodeConfig:
     use_cache: bool = True
     stop_at_eos: bool = True
     compiled_step: bool = False
+    tau_delete: float | None = None
+    tau_insert: float | None = None
+    max_lev_edits: int = 2
 
     def __post_init__(self):
         self.validate()
@@ -72,6 +80,11 @@ class DecodeConfig:
     def editing(self) -> bool:
         """True when T2T editing is on (tau_edit is a number >= 0)."""
         return self.tau_edit is not None and self.tau_edit >= 0
+
+    @property
+    def levenshtein(self) -> bool:
+        """True when DELETE or INSERT is on (a threshold that is a number >= 0)."""
+        return any(t is not None and t >= 0 for t in (self.tau_delete, self.tau_insert))
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "DecodeConfig":
@@ -125,6 +138,11 @@ class DecodeConfig:
             bad("mbe_tau", "a number in [0, 1]")
         if not (is_int(self.mbe_max_passes) and self.mbe_max_passes >= 1):
             bad("mbe_max_passes", "an integer >= 1")
+        for name in ("tau_delete", "tau_insert"):
+            if getattr(self, name) is not None and not (is_num(getattr(self, name)) and getattr(self, name) <= 1.0):
+                bad(name, "None (off), a negative number (off) or a number in [0, 1]")
+        if not (is_int(self.max_lev_edits) and self.max_lev_edits >= 1):
+            bad("max_lev_edits", "an integer >= 1")
         for name in ("use_cache", "stop_at_eos", "compiled_step"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")
@@ -169,7 +187,7 @@ def parse_override(item: str) -> tuple[str, object]:
         return key, low in {"true", "1", "yes"}
     try:
         if key in {"block_size", "max_new_tokens", "max_post_steps", "num_to_transfer", "top_k", "mbe_window",
-                   "mbe_max_passes"}:
+                   "mbe_max_passes", "max_lev_edits"}:
             return key, int(raw)
         return key, float(raw)
     except ValueError:

@@ -20,6 +20,7 @@ from ebpo.model.cache import StaticKVCache
 from .compiled import StaticDecodeStep, canvas_length, check_supported, compiled_step, draw_noise, prefill
 from .config import DecodeConfig
 from .layout import build_layout, gather_span
+from .levenshtein import DEL, INS, edit_probs, lev_log, levenshtein_block_step, shift_trace
 from .sampling import candidates
 from .steps import block_done, block_step, first_eos, mbe_edit_set, penalty_targets
 
@@ -34,7 +35,13 @@ class GenerationOutput:
         MBE passes; the prompt's cache prefill and block commits ride along and are not extra forwards).
     num_edits: tokens rewritten after being visible (T2T edits plus MBE edits); num_mbe_edits: the MBE part.
     edit_log: every such rewrite in order, as (offset from the prompt's end, old token, new token) (empty
-        with `compiled_step`, which keeps counts only): what `rollout.edits.edit_counts` scores.
+        with `compiled_step`, which keeps counts only): what `rollout.edits.edit_counts` scores. Levenshtein
+        operations are logged with new = the DELETE or INSERT id (offsets before that round's shift).
+    lev_drafts: for each block in which a Levenshtein operation ran, (offset of the block's start from the
+        prompt's end, possibly negative; the block's K tokens as the forward that first chose one saw them):
+        the pre-edit drafts from which L-EBPO recovers the edit labels (`ebpo.core.lev_likelihood`).
+    num_deletes / num_inserts: Levenshtein operations applied (`DecodeConfig.tau_delete` / `tau_insert`; they
+        count in num_edits too). A token's trace follows it when a shift moves it.
     tail_ids: the rest of the canvas's block that holds the last token of token_ids (what the decoder wrote
         after the first EOS, or past max_new_tokens): the RL learner scores it with the response, so that
         it sees the canvas that was sampled, block for block (docs/ebpo.md).
@@ -51,6 +58,9 @@ class GenerationOutput:
     finished_by_eos: bool
     tail_ids: list[int] = field(default_factory=list)
     edit_log: list[tuple[int, int, int]] = field(default_factory=list)
+    num_deletes: int = 0
+    num_inserts: int = 0
+    lev_drafts: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +77,8 @@ class StepEvent:
     edited: list[int] = field(default_factory=list)  # absolute positions rewritten (T2T / MBE)
     block_done: bool = False
     finished: bool = False
+    deleted: list[int] = field(default_factory=list)  # absolute positions removed by DELETE (before the shift)
+    inserted: list[int] = field(default_factory=list)  # absolute positions that got a [MASK] before them (INSERT)
 
 
 @dataclass
@@ -86,6 +98,9 @@ class _Seq:
     mbe_passes: int = 0
     mbe_first_changed: int | None = None
     edit_log: list = field(default_factory=list)  # (position, old, new) of every rewrite
+    deletes: int = 0
+    inserts: int = 0
+    lev_drafts: dict = field(default_factory=dict)  # block -> its tokens before its first Levenshtein operation
 
 
 def _eos_ids(config) -> set[int]:
@@ -194,6 +209,11 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
     block_iters = torch.zeros(n, dtype=torch.long, device=dev)
     cache = BlockKVCache.for_model(mcfg, n, T_max, dtype=param.dtype, device=dev) if cfg.use_cache else None
     block_cap = K + cfg.max_post_steps + 1
+    lev = cfg.levenshtein
+    if lev and getattr(mcfg, "delete_token_id", None) is None:
+        raise ValueError("DecodeConfig.tau_delete / tau_insert: the model's config has no delete_token_id / "
+                         "insert_token_id; Levenshtein editing needs a model trained with them")
+    lev_ids = (int(mcfg.delete_token_id), int(mcfg.insert_token_id)) if lev else None
     total_blocks = sum(s.num_blocks - s.first_block for s in seqs)
 
     def finish_block(r: int) -> None:
@@ -242,6 +262,10 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
             # design choice: a written token is never <|mask|> (a trained model gives it ~0 probability;
             # an untrained one would otherwise "fill" a mask with a mask and stall the block)
             logits[..., mask_id] = float("-inf")
+            eprob = None
+            if lev:  # price DELETE / INSERT, then keep them out of the tokens a step may write
+                eprob = edit_probs(logits, *lev_ids)
+                logits[..., list(lev_ids)] = float("-inf")
             pos = torch.tensor([t_start[i] for i in members], device=dev)[:, None] + torch.arange(length, device=dev)
             member_rows = torch.tensor([rows[i] for i in members], device=dev)
             suppress = None
@@ -251,7 +275,7 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
             g = [gens[rows[i]] for i in members] if gens is not None else None
             tok, prob = candidates(logits, cfg.temperature, cfg.top_k, cfg.top_p, g, suppress, cfg.repetition_penalty)
             for j, i in enumerate(members):
-                results[i] = (tok[j], prob[j])
+                results[i] = (tok[j], prob[j], None if eprob is None else eprob[j])
 
         commit = [0] * len(rows)
         block_idx = [i for i, r in enumerate(rows) if seqs[r].mbe_start is None]
@@ -266,27 +290,46 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
             protected = pos < torch.tensor([seqs[rows[i]].prompt_len for i in block_idx], device=dev)[:, None]
             tok = torch.stack([results[i][0] for i in block_idx])
             prob = torch.stack([results[i][1] for i in block_idx])
-            res = block_step(tok, prob, cur, protected, mask_id, cfg.tau_mask, cfg.tau_edit, cfg.num_to_transfer)
+            if lev:
+                lstep = levenshtein_block_step(tok, prob, torch.stack([results[i][2] for i in block_idx]), cur,
+                                               protected, mask_id, cfg)
+                res = lstep.result
+            else:
+                res = block_step(tok, prob, cur, protected, mask_id, cfg.tau_mask, cfg.tau_edit, cfg.num_to_transfer)
             block_iters[brows] += 1
             done, post_steps[brows] = block_done(res, post_steps[brows], block_iters[brows], cfg.max_post_steps,
                                                  block_cap, cfg.editing, prob, cfg.early_commit)
             canvas[brows[:, None], pos] = res.new
             written = res.m2t | res.t2t
             fwd = torch.tensor([seqs[rows[i]].forwards for i in block_idx], device=dev)[:, None]
-            trace[brows[:, None], pos] = torch.where(written, fwd, trace[brows[:, None], pos])
+            if lev:  # tokens keep their trace as they shift
+                trace[brows[:, None], pos] = shift_trace(trace[brows[:, None], pos], lstep, fwd)
+            else:
+                trace[brows[:, None], pos] = torch.where(written, fwd, trace[brows[:, None], pos])
             n_edit, any_write, done_l = res.t2t.sum(-1).tolist(), written.any(-1).tolist(), done.tolist()
             for j, i in enumerate(block_idx):
                 r, s = rows[i], seqs[rows[i]]
                 s.edits += n_edit[j]
-                if n_edit[j]:
+                if lev and n_edit[j]:
+                    s.edit_log += lev_log(lstep, j, pos[j], cur[j], s.prompt_len, *lev_ids)
+                    s.deletes += int((lstep.ops[j] == DEL).sum())
+                    s.inserts += int((lstep.ops[j] == INS).sum())
+                    if ((lstep.ops[j] == DEL) | (lstep.ops[j] == INS)).any():
+                        s.lev_drafts.setdefault(s.block, cur[j].tolist())
+                elif n_edit[j]:
                     e = res.t2t[j]
                     s.edit_log += zip((pos[j][e] - s.prompt_len).tolist(), cur[j][e].tolist(), res.new[j][e].tolist())
                 # commit the blocks before the active one; the active block too when it ended with a step
                 # that wrote nothing (its keys/values were then computed from its final tokens)
                 commit[i] = t_start[i] - q_start[i] + (K if done_l[j] and not any_write[j] else 0)
                 if on_step is not None:
-                    events.append(StepEvent(r, s.forwards, "block", s.block, s.prompt_len, [],
-                                            pos[j][res.m2t[j]].tolist(), pos[j][res.t2t[j]].tolist(), done_l[j]))
+                    ev = StepEvent(r, s.forwards, "block", s.block, s.prompt_len, [], pos[j][res.m2t[j]].tolist(),
+                                   pos[j][res.t2t[j]].tolist(), done_l[j])
+                    if lev:
+                        ev.filled, ev.edited = pos[j][lstep.filled[j]].tolist(), pos[j][lstep.rewritten[j]].tolist()
+                        ev.deleted = pos[j][lstep.ops[j] == DEL].tolist()
+                        ev.inserted = pos[j][lstep.ops[j] == INS].tolist()
+                    events.append(ev)
                 s.forwards += 1
                 if done_l[j]:
                     if cfg.mbe_window > 0 and s.block > s.first_block:
@@ -301,7 +344,7 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
             lo = t_start[i]
             pos = torch.arange(lo, lo + t_len[i], device=dev)
             cur = canvas[r, pos]
-            tok, prob = results[i]
+            tok, prob, _ = results[i]
             change = mbe_edit_set(tok, prob, cur, pos >= s.prompt_len, cfg.mbe_tau)
             canvas[r, pos] = torch.where(change, tok, cur)
             trace[r, pos] = torch.where(change, s.forwards, trace[r, pos])
@@ -399,4 +442,6 @@ def _output(prompt: list[int], s: _Seq, canvas_row: torch.Tensor, trace_row: tor
         text = tokenizer.decode(toks, skip_special_tokens=True)
     return GenerationOutput(prompt_ids=prompt, token_ids=toks, text=text, num_forwards=s.forwards,
                             tpf=len(toks) / max(s.forwards, 1), num_edits=s.edits, num_mbe_edits=s.mbe_edits,
-                            trace=tr, finished_by_eos=cut is not None, tail_ids=tail, edit_log=list(s.edit_log))
+                            trace=tr, finished_by_eos=cut is not None, tail_ids=tail, edit_log=list(s.edit_log),
+                            num_deletes=s.deletes, num_inserts=s.inserts,
+                            lev_drafts=[(b * block_size - P, d) for b, d in sorted(s.lev_drafts.items())])

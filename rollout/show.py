@@ -2,7 +2,9 @@
 
 Each sequence's canvas is drawn as it fills: the prompt dim, masks as grey blocks, tokens drafted by
 M2T in green, tokens rewritten by T2T / MBE in yellow, and the positions touched by the latest forward
-underlined. Feed it `StepEvent`s through `generate(..., on_step=view.update)`.
+underlined. Levenshtein operations (DecodeConfig.tau_delete / tau_insert) are listed under the sequence:
+each DELETE / INSERT with its position, and slots opened by INSERT show as masks until filled.
+Feed it `StepEvent`s through `generate(..., on_step=view.update)`.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-STYLES = {"prompt": "dim", "mask": "grey35", "draft": "green", "edit": "bold yellow"}
+STYLES = {"prompt": "dim", "mask": "grey35", "draft": "green", "edit": "bold yellow", "lev": "magenta"}
 
 
 class CanvasView:
@@ -43,7 +45,7 @@ class CanvasView:
         return s.replace("\n", "\u23ce\n")
 
     def update(self, ev) -> None:
-        st = self.state.setdefault(ev.seq, {"kind": {}, "events": 0})
+        st = self.state.setdefault(ev.seq, {"kind": {}, "events": 0, "lev": []})
         st.update(canvas=ev.canvas, prompt_len=ev.prompt_len, last=set(ev.filled) | set(ev.edited),
                   forward=ev.forward + 1, finished=ev.finished, step=ev.kind)
         st["events"] += 1
@@ -51,6 +53,13 @@ class CanvasView:
             st["kind"][p] = "draft"
         for p in ev.edited:
             st["kind"][p] = "edit"
+        deleted, inserted = getattr(ev, "deleted", []), getattr(ev, "inserted", [])
+        if deleted or inserted:
+            # a shift moves the tokens after the operation: their colours no longer describe them
+            lo = min(deleted + inserted)
+            st["kind"] = {p: k for p, k in st["kind"].items() if p < lo or p in ev.filled or p in ev.edited}
+            st["lev"] = (st["lev"] + [f"f{ev.forward}: del @{p - ev.prompt_len}" for p in deleted]
+                         + [f"f{ev.forward}: ins @{p - ev.prompt_len}" for p in inserted])[-8:]
         if self.live is not None:
             self.live.update(self.render())
             if self.delay:
@@ -74,6 +83,8 @@ class CanvasView:
                     style += " underline"
                 body.append(self.piece(t), style=style)
             parts += [head, body, Text("")]
+            if st.get("lev"):
+                parts.insert(len(parts) - 1, Text("levenshtein: " + ", ".join(st["lev"]), style=STYLES["lev"]))
         legend = Text.assemble(("prompt ", STYLES["prompt"]), ("\u2591 mask ", STYLES["mask"]),
                                ("drafted ", STYLES["draft"]), ("edited\n", STYLES["edit"]))
         return Group(*parts, legend)

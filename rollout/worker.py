@@ -61,6 +61,7 @@ class RolloutWorker:
             {"token_ids": list(o.token_ids), "text": o.text, "num_forwards": o.num_forwards, "tpf": o.tpf,
              "num_edits": o.num_edits, "finished_by_eos": o.finished_by_eos, "tail_ids": list(o.tail_ids),
              "edit_log": [list(e) for e in o.edit_log],
+             "lev_drafts": [[off, list(d)] for off, d in o.lev_drafts],  # L-EBPO's pre-edit blocks
              "weights_version": self.version}  # the policy that sampled it (asynchronous RL's staleness)
             for o in outs
         ]

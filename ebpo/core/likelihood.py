@@ -79,6 +79,10 @@ class NoiseDraws:
     substituted: None (mask-only draws) or (N, B, L) bool, visible response positions whose token is
         replaced by `sub_ids` in draw n (T2T noise, `ebpo.core.editing`); disjoint from `masked`.
     sub_ids: None or (N, B, L) long, the substitute token at substituted positions (ignored elsewhere).
+    noisy_ids: None or (N, B, L) long, the whole noisy input of draw n (L-EBPO, `ebpo.core.lev_likelihood`:
+        a shifted draft is not a position-wise corruption of the output); overrides masked / sub_ids there.
+    targets: None or (N, B, L) long, the action scored at each scored position (L-EBPO: a token, DELETE or
+        INSERT); None = the clean token.
     """
 
     masked: torch.Tensor
@@ -87,6 +91,8 @@ class NoiseDraws:
     block_size: int
     substituted: torch.Tensor | None = None
     sub_ids: torch.Tensor | None = None
+    noisy_ids: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
 
     @property
     def n_draws(self) -> int:
@@ -102,7 +108,7 @@ class NoiseDraws:
 
         t = self.t[:, idx] if length is None else self.t[:, idx][..., : length // self.block_size]
         return NoiseDraws(cut(self.masked), t, cut(self.weight), self.block_size, cut(self.substituted),
-                          cut(self.sub_ids))
+                          cut(self.sub_ids), cut(self.noisy_ids), cut(self.targets))
 
     def rows(self, idx: torch.Tensor) -> "NoiseDraws":
         """The draws of the sequences `idx` (a minibatch), same draws."""
@@ -231,11 +237,12 @@ def unwrap_hidden(out) -> torch.Tensor:
 
 
 def _noisy_inputs(noise: NoiseDraws, draws: Sequence[int], input_ids: torch.Tensor, mask_token_id: int):
-    """(noisy ids, scored positions, weights), each (S, B, L), of the draws `draws` on input_ids' device.
+    """(noisy ids, scored positions, weights, targets), each (S, B, L), of the draws `draws` on input_ids' device.
 
     noisy = mask token at masked positions, the substitute at substituted ones (T2T draws), else the clean
-    token; scored = the positions whose clean token carries a log-prob term. Mask-only draws take exactly
-    the operations they always took, so their composites stay bit for bit what they were.
+    token (or `noise.noisy_ids`, L-EBPO); scored = the positions that carry a log-prob term; targets = the
+    scored action (`noise.targets`), or the clean token (then returned as `input_ids` expanded). Mask-only
+    draws take exactly the operations they always took, so their composites stay bit for bit what they were.
     """
     dev = input_ids.device
     idx = torch.as_tensor(list(draws), device=noise.masked.device, dtype=torch.long)
@@ -246,7 +253,10 @@ def _noisy_inputs(noise: NoiseDraws, draws: Sequence[int], input_ids: torch.Tens
         sub = noise.substituted.index_select(0, idx).to(dev)
         visible = torch.where(sub, noise.sub_ids.index_select(0, idx).to(dev).to(input_ids.dtype), visible)
     noisy = torch.where(masked, torch.full((), mask_token_id, device=dev, dtype=input_ids.dtype), visible)
-    return noisy, (masked if noise.substituted is None else masked | sub), weight
+    if noise.noisy_ids is not None:
+        noisy = noise.noisy_ids.index_select(0, idx).to(dev).to(input_ids.dtype)
+    targets = None if noise.targets is None else noise.targets.index_select(0, idx).to(dev)
+    return noisy, (masked if noise.substituted is None else masked | sub), weight, targets
 
 
 def composite_logprobs(model, input_ids: torch.Tensor, noise: NoiseDraws, draws: Sequence[int], mask_token_id: int,
@@ -262,7 +272,7 @@ def composite_logprobs(model, input_ids: torch.Tensor, noise: NoiseDraws, draws:
     K = noise.block_size
     S = len(draws)
     dev = input_ids.device
-    noisy, scored, weight = _noisy_inputs(noise, draws, input_ids, mask_token_id)  # (S, B, L) each
+    noisy, scored, weight, targets = _noisy_inputs(noise, draws, input_ids, mask_token_id)  # (S, B, L) each
     if packed:
         ids = torch.cat([noisy.permute(1, 0, 2).reshape(B, S * L), input_ids], dim=1)  # (B, (S+1)L)
         keep = packed_noisy_clean_mask(L, K, S, device=dev)[None, None]
@@ -275,15 +285,18 @@ def composite_logprobs(model, input_ids: torch.Tensor, noise: NoiseDraws, draws:
         pos = noisy_clean_position_ids(L, 1, device=dev)
         h = unwrap_hidden(model(input_ids=ids, attention_mask=keep, position_ids=pos, return_logits=False))
         h_noisy = h[:, :L].reshape(S, B, L, -1)
-    return _scatter_composites(model, h_noisy, input_ids, scored, weight, K, return_blocks, use_module_head)
+    return _scatter_composites(model, h_noisy, input_ids, scored, weight, K, return_blocks, use_module_head, targets)
 
 
-def _scatter_composites(model, h_noisy, input_ids, scored, weight, K, return_blocks, use_module_head):
-    """h_noisy (S, B, L, H), scored/weight (S, B, L) -> C (B, S) [and per-block terms (B, S, nb)]."""
+def _scatter_composites(model, h_noisy, input_ids, scored, weight, K, return_blocks, use_module_head, targets=None):
+    """h_noisy (S, B, L, H), scored/weight (S, B, L) -> C (B, S) [and per-block terms (B, S, nb)].
+
+    targets: None (score the clean token) or (S, B, L) long, the action scored at each position (L-EBPO)."""
     S, B, L = scored.shape
     # Gather only loss positions before the LM head: (M, H) rows instead of S*B*L*V logits.
     sel = scored.nonzero(as_tuple=True)  # (s, b, l) indices
-    logp = gathered_logprobs(model, h_noisy[sel], input_ids[sel[1], sel[2]], use_module_head)
+    tgt = input_ids[sel[1], sel[2]] if targets is None else targets[sel]
+    logp = gathered_logprobs(model, h_noisy[sel], tgt, use_module_head)
     contrib = logp * weight[sel]
     nb = (L + K - 1) // K
     flat = (sel[1] * S + sel[0]) * nb + torch.div(sel[2], K, rounding_mode="floor")
@@ -316,7 +329,7 @@ def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws,
     dev = input_ids.device
     cfg = model.config
     cache = BlockKVCache.for_model(cfg, B, L, dtype=model.get_output_embeddings().weight.dtype, device=dev)
-    noisy, scored, weight = _noisy_inputs(noise, draws, input_ids, mask_token_id)  # (S, B, L) each
+    noisy, scored, weight, targets = _noisy_inputs(noise, draws, input_ids, mask_token_id)  # (S, B, L) each
     if by_block:
         nb = (L + K - 1) // K
         padded = torch.zeros(S, B, nb * K, dtype=torch.bool, device=dev)
@@ -340,7 +353,7 @@ def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws,
                 cache.commit([0] * (S * B) + [hi - lo] * B)
             h_noisy.append(h[: S * B].view(S, B, hi - lo, -1))
         h = torch.cat(h_noisy, 2)
-        return _scatter_composites(model, h, input_ids, scored, weight, K, return_blocks, use_module_head)
+        return _scatter_composites(model, h, input_ids, scored, weight, K, return_blocks, use_module_head, targets)
     pos = torch.arange(L, device=dev)
     model(input_ids=input_ids, attention_mask=block_causal_mask(L, K, device=dev)[None, None], position_ids=pos,
           cache=cache, return_logits=False)
@@ -351,7 +364,7 @@ def composite_logprobs_cached(model, input_ids: torch.Tensor, noise: NoiseDraws,
     rows = [b for _ in range(S) for b in range(B)]
     h = unwrap_hidden(model(input_ids=noisy.reshape(S * B, L), attention_mask=keep, position_ids=pos,
                              cache=cache, cache_rows=rows, return_logits=False)).reshape(S, B, L, -1)
-    return _scatter_composites(model, h, input_ids, scored, weight, K, return_blocks, use_module_head)
+    return _scatter_composites(model, h, input_ids, scored, weight, K, return_blocks, use_module_head, targets)
 
 
 def composite_logprobs_blockwise(model, input_ids: torch.Tensor, noise: NoiseDraws, draw: int, mask_token_id: int,
@@ -365,7 +378,8 @@ def composite_logprobs_blockwise(model, input_ids: torch.Tensor, noise: NoiseDra
     B, L = input_ids.shape
     K = noise.block_size
     dev = input_ids.device
-    noisy, scored, weight = (x[0] for x in _noisy_inputs(noise, [draw], input_ids, mask_token_id))
+    noisy, scored, weight, targets = (None if x is None else x[0]
+                                      for x in _noisy_inputs(noise, [draw], input_ids, mask_token_id))
     comp = torch.zeros(B, device=dev)
     for b in range((L + K - 1) // K):
         lo, hi = b * K, min((b + 1) * K, L)
@@ -377,7 +391,8 @@ def composite_logprobs_blockwise(model, input_ids: torch.Tensor, noise: NoiseDra
         h = unwrap_hidden(model(input_ids=ids, attention_mask=block_causal_mask(hi, K, device=dev)[None, None],
                                  position_ids=torch.arange(hi, device=dev), return_logits=False))[:, lo:hi]
         rows, cols = m.nonzero(as_tuple=True)
-        logp = gathered_logprobs(model, h[rows, cols], input_ids[rows, lo + cols], use_module_head)
+        tgt = input_ids[rows, lo + cols] if targets is None else targets[rows, lo + cols]
+        logp = gathered_logprobs(model, h[rows, cols], tgt, use_module_head)
         comp = comp.index_add(0, rows, logp * weight[rows, lo + cols])
     return comp
 

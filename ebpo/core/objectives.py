@@ -78,6 +78,17 @@ class ObjectiveConfig:
     mbe_weight: float = doc("weight of the Multi-Block Editing window term (ebpo.core.mbe_objective: T2T restore "
                             "through an enlarged bidirectional window of mbe_window + 1 blocks); 0 = off", 0.0)
     mbe_window: int = doc("MBE window W of that term (the decoder's rollout.decode.mbe_window)", 1)
+    lev_weight: float = doc("weight of the Levenshtein rounds (ebpo.core.lev_objective: LCS edit labels with DELETE / "
+                            "INSERT; the model needs delete_token_id / insert_token_id); 0 = off", 0.0)
+    lev_source: Literal["corrupt", "model", "mixed"] = doc(
+        "drafts of the Levenshtein rounds: target corruptions (insert / delete / duplicate), the first round's own "
+        "draft, or either per row", "mixed")
+    lev_rate: float = doc("probability of a length corruption per block of a corrupt draft (a second: lev_rate^2)", 0.5)
+    lev_rounds: int = doc("Levenshtein rounds after the first (each recomputes the labels from the model-edited "
+                          "draft; one forward each)", 1)
+    lev_fraction: float = doc("fraction of each batch's rows that get the Levenshtein rounds", 0.5)
+    lev_edit_weight: float = doc("weight of the DELETE / INSERT labels in a Levenshtein round (rare next to keep "
+                                 "and fill: a few per hundred positions)", 1.0)
 
     def validate(self):
         if not 0.0 < self.t_min <= self.t_max <= 1.0:
@@ -89,7 +100,12 @@ class ObjectiveConfig:
         if self.mbe_weight > 0 and not (self.mbe_window >= 1 and 0.0 < self.t2t_rate < 1.0):
             raise ValueError(f"objective.mbe_window: needs mbe_window >= 1 and 0 < t2t_rate < 1 when mbe_weight > 0, "
                              f"got mbe_window={self.mbe_window}, t2t_rate={self.t2t_rate}")
-        for name in ("t2t_weight", "keep_weight", "mtf_weight", "mbe_weight"):
+        if self.lev_source not in ("corrupt", "model", "mixed"):
+            raise ValueError(f"objective.lev_source: choose corrupt, model or mixed, got {self.lev_source!r}")
+        if not (0.0 <= self.lev_rate <= 1.0 and 0.0 < self.lev_fraction <= 1.0 and self.lev_rounds >= 1):
+            raise ValueError("objective.lev_rate / lev_fraction / lev_rounds: need lev_rate in [0, 1], lev_fraction in "
+                             f"(0, 1], lev_rounds >= 1, got {self.lev_rate}, {self.lev_fraction}, {self.lev_rounds}")
+        for name in ("t2t_weight", "keep_weight", "mtf_weight", "mbe_weight", "lev_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"objective.{name}: must be >= 0")
 

@@ -46,6 +46,8 @@ class LLaDA2MoeConfig(PretrainedConfig):
         eos_token_id: int = 156892,
         bos_token_id: int = 156891,
         mask_token_id: int = 156895,
+        delete_token_id: int | None = None,
+        insert_token_id: int | None = None,
         block_size: int = 32,
         moe_impl: str = "auto",
         block_routing_capacity: int = 0,
@@ -82,6 +84,10 @@ class LLaDA2MoeConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.mask_token_id = mask_token_id
+        # Levenshtein edit-control tokens (LLaDA2.2; docs/decoding.md): predicting DELETE at position i removes
+        # x_i, INSERT turns x_i into ([MASK], x_i). None (the released configs) = no Levenshtein editing.
+        self.delete_token_id = delete_token_id
+        self.insert_token_id = insert_token_id
         # Block length of the block-diffusion schedule (32 for LLaDA2.x). Not in the released config:
         # the released generation code takes it as an argument; ours keeps it next to the model.
         self.block_size = block_size
@@ -144,7 +150,13 @@ class LLaDA2MoeConfig(PretrainedConfig):
                      f"must be 0 (off), >= num_experts={self.num_experts} (off), or lie in [num_experts_per_tok="
                      f"{self.num_experts_per_tok}, topk_group * experts_per_group = {self.topk_group * per_group}], "
                      f"got {C}")
-        for field in ("mask_token_id", "eos_token_id", "pad_token_id"):
+        edit = (self.delete_token_id, self.insert_token_id)
+        need((edit[0] is None) == (edit[1] is None), "insert_token_id",
+             f"delete_token_id and insert_token_id are set together or not at all, got {edit}")
+        if edit[0] is not None:
+            need(len({int(edit[0]), int(edit[1]), int(self.mask_token_id)}) == 3, "delete_token_id",
+                 f"delete/insert/mask token ids must differ, got {edit + (self.mask_token_id,)}")
+        for field in ("mask_token_id", "eos_token_id", "pad_token_id", "delete_token_id", "insert_token_id"):
             v = getattr(self, field)
             if v is not None:
                 ids = v if isinstance(v, (list, tuple)) else [v]

@@ -17,6 +17,8 @@ SHIPPED_MODELS = {
     # tiny-sft fine-tuned on answers half of which skip the working (recipes/sft_tiny_mixed.yaml): the
     # RL quickstart's starting point
     "tiny-sft-mixed": ASSETS / "tiny-sft-mixed",
+    # tiny-sft with DELETE / INSERT named and fine-tuned with Levenshtein rounds (recipes/sft_tiny_lev.yaml)
+    "tiny-sft-lev": ASSETS / "tiny-sft-lev",
 }
 
 

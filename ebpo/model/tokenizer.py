@@ -2,7 +2,10 @@
 
 Built with the `tokenizers` library and wrapped as a `PreTrainedTokenizerFast`, so it saves and loads
 like any Hugging Face tokenizer. Ids 0-7 are special (see SPECIAL_TOKENS); every printable ASCII
-character, newline and tab has its own id, so any task text round-trips exactly. Real LLaDA2 models use
+character, newline and tab has its own id (8-104), so any task text round-trips exactly. The two
+Levenshtein edit-control tokens (EDIT_TOKENS, issue 29) take ids 105 and 106, the first two of the
+vocabulary's unused ids (the tiny preset has 128): ids 0-104 are unchanged, so models trained before them
+keep their outputs bit for bit. Real LLaDA2 models use
 their own tokenizer through `AutoTokenizer.from_pretrained(path)`.
 """
 from __future__ import annotations
@@ -16,6 +19,8 @@ BOS, EOS, MASK, UNK = "<|startoftext|>", "<|endoftext|>", "<|mask|>", "<|unk|>"
 ROLE_TOKENS = ("<|user|>", "<|assistant|>", "<|system|>", "<|role_end|>")
 SPECIAL_TOKENS = (BOS, EOS, MASK, UNK) + ROLE_TOKENS  # ids 0..7, matching ebpo/presets/tiny.json
 CHARACTERS = ["\n", "\t"] + [chr(c) for c in range(32, 127)]
+DELETE, INSERT = "<|delete|>", "<|insert|>"
+EDIT_TOKENS = (DELETE, INSERT)  # ids 105, 106 (after the characters): delete_token_id / insert_token_id
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -32,13 +37,15 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARACTERS:
         vocab[ch] = len(vocab)
+    for edit in EDIT_TOKENS:  # appended, never inserted: earlier ids must not move
+        vocab[edit] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(SPECIAL_TOKENS) + list(EDIT_TOKENS))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS, unk_token=UNK, mask_token=MASK,
-        additional_special_tokens=list(ROLE_TOKENS), padding_side="right")
+        additional_special_tokens=list(ROLE_TOKENS) + list(EDIT_TOKENS), padding_side="right")
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

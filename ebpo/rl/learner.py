@@ -35,6 +35,7 @@ from ebpo.rl.records import LearnerBatch
 from ebpo.rl.sharding import balance_by_tokens, loss_weight, padded_lengths, token_microbatches
 from ebpo.rl.weight_stream import WeightStreamer
 from ebpo.core.editing import editing_draws, t2t_stats
+from ebpo.core import lev_likelihood
 from ebpo.core.likelihood import all_composites, direct_backward, draw_noise, replay_backward
 from ebpo.model.loading import load_model
 
@@ -241,6 +242,9 @@ class EBPOLearner:
             noise = editing_draws(noise, ids, resp, rate=cfg.t2t_rate, weight=cfg.t2t_weight, source=cfg.t2t_source,
                                   seed=cfg.seed or 0, update=self.updates_done, model=self.fwd,
                                   model_config=self.model_config)
+        if cfg.levenshtein:  # L-EBPO: edit labels per draw from the rollouts' pre-edit drafts
+            noise = lev_likelihood.learner_draws(noise, ids, resp, b.prompt_lens, b.lev_drafts, self.model_config,
+                                                 cfg.levenshtein_weight)
         perm = torch.randperm(B, generator=self.generator)
         mbs = list(perm.split(cfg.minibatch_size or B))
         if min(len(mb) for mb in mbs) < self.world_size:
@@ -316,7 +320,8 @@ class EBPOLearner:
         metrics["actor/log_ratio_max"] = lr_max
         metrics["actor/lr"] = self.lr_now
         metrics["actor/nonfinite_steps"] = float(state.nonfinite)  # a count per update, not a mean
-        metrics.update(self._likelihood_stats(old, blocks, noise, resp, lengths), **t2t_stats(noise))
+        metrics.update(self._likelihood_stats(old, blocks, noise, resp, lengths), **t2t_stats(noise),
+                       **lev_likelihood.lev_stats(noise, self.model_config))
         metrics["timing_s/old_logprob"] = t_old
         metrics["timing_s/update"] = time.perf_counter() - t0
         return metrics

@@ -67,6 +67,9 @@ class LearnerConfig:
     t2t_rate: float = doc("fraction of the visible response tokens of each draw substituted (t2t_weight > 0)", 0.15)
     t2t_source: Literal["uniform", "draft", "mixed"] = doc("substitutes: uniform random tokens (SFT T2T stream), "
                                                            "the policy's sampled drafts (MTF) or half each", "uniform")
+    levenshtein: bool = doc("L-EBPO (ebpo/core/lev_likelihood.py): score DELETE / INSERT too, edit labels recovered "
+                            "per draw by aligning the noised pre-edit draft with the output; false = EBPO", False)
+    levenshtein_weight: float = doc("L-EBPO: weight lambda of the visible positions with an edit label", 1.0)
     eps_low: float = doc("clip: ratio floor 1 - eps_low for negative advantages", 0.2)
     eps_high: float = doc("clip: ratio ceiling 1 + eps_high for positive advantages", 0.28)
     dual_clip: Optional[float] = doc("dual clip c > 1: for negative advantages the objective is at least c * A, so "
@@ -138,6 +141,8 @@ class LearnerConfig:
             ("t2t_weight", self.t2t_weight >= 0, "must be >= 0 (0 = mask-only composite)"),
             ("t2t_rate", 0 < self.t2t_rate < 1, "must lie in (0, 1)"),
             ("t2t_source", self.t2t_source in T2T_SOURCES, f"choose one of {list(T2T_SOURCES)}"),
+            ("levenshtein", not (self.levenshtein and self.t2t_weight > 0), "needs t2t_weight = 0 (mask-only draws)"),
+            ("levenshtein_weight", self.levenshtein_weight >= 0, "must be >= 0"),
             ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1)"),
             ("eps_high", self.eps_high >= 0, "must be >= 0"),
             ("dual_clip", self.dual_clip is None or self.dual_clip > 1, "must be > 1 or null"),

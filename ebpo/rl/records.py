@@ -31,6 +31,7 @@ class RolloutSample:
     num_forwards / num_edits: the decode's forwards and T2T rewrites; tpf: tokens per forward;
     edit_log: the decoder's rewrites ([position, old, new, ...] lists, `rollout.edits`);
     weights_version: the weight version that sampled it (asynchronous RL's staleness);
+    lev_drafts: [offset, pre-edit block] of every block with a Levenshtein operation (L-EBPO, docs/ebpo.md);
     metadata: free per-sample data (kept as is; for rollouts that need more than one decode).
     """
     token_ids: list[int]
@@ -42,6 +43,7 @@ class RolloutSample:
     tail_ids: list[int] = field(default_factory=list)
     edit_log: list[list[int]] = field(default_factory=list)
     weights_version: int = 0
+    lev_drafts: list = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -118,9 +120,13 @@ class LearnerBatch:
     response_lens: Optional[torch.Tensor] = None
     group_ids: Optional[torch.Tensor] = None
     weight_version: Optional[torch.Tensor] = None
+    lev_drafts: Optional[list] = None
 
     def __post_init__(self):
         ids = self.input_ids
+        if self.lev_drafts is not None and len(self.lev_drafts) != ids.shape[0]:
+            raise ValueError(f"LearnerBatch.lev_drafts: expected one list per row ({ids.shape[0]}), got "
+                             f"{len(self.lev_drafts)}")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             raise ValueError(f"LearnerBatch.input_ids: expected (B, L), got "
                              f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
@@ -164,12 +170,13 @@ class LearnerBatch:
             resp = response_mask_from_ids(ids, prompt_lens, eos_id)
         optional = {k: None if batch.get(k) is None else torch.as_tensor(batch[k]).long()
                     for k in ("response_lens", "group_ids", "weight_version")}
-        return cls(input_ids=ids, prompt_lens=prompt_lens, response_mask=resp, advantages=adv, **optional)
+        return cls(input_ids=ids, prompt_lens=prompt_lens, response_mask=resp, advantages=adv,
+                   lev_drafts=batch.get("lev_drafts"), **optional)
 
 
 def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], advantages: torch.Tensor,
                         group_ids: torch.Tensor, pad_id: int, tail_ids: list[list[int]] | None = None,
-                        weight_version: list[int] | None = None) -> LearnerBatch:
+                        weight_version: list[int] | None = None, lev_drafts: list | None = None) -> LearnerBatch:
     """Right-padded learner batch.
 
     prompt_ids[i], response_ids[i]: token ids (the response ends at its first EOS, EOS included, or is
@@ -179,6 +186,7 @@ def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int
     learner's sequence is the canvas the sampler really produced, block for block (docs/ebpo.md, "The
     last block"). Without tails, positions after the response are `pad_id` and not scored.
     weight_version[i] (optional): the weight version that sampled row i (asynchronous RL).
+    lev_drafts[i] (optional): row i's pre-edit blocks, for L-EBPO (`learner.levenshtein`).
     """
     B = len(prompt_ids)
     tails = tail_ids if tail_ids is not None else [[] for _ in range(B)]
@@ -202,4 +210,5 @@ def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int
         advantages=advantages.float(),
         group_ids=group_ids.long(),
         weight_version=None if weight_version is None else torch.tensor(weight_version, dtype=torch.long),
+        lev_drafts=lev_drafts,
     )

@@ -95,7 +95,8 @@ def learn(run: RLRun, record: StepRecord) -> dict[str, float]:
     s = record.samples
     batch = build_learner_batch([record.prompt_ids[i] for i in idx], [s[i].token_ids for i in idx],
                                 record.advantages[record.keep], record.group_ids[record.keep], pad_id=run.eos_id,
-                                tail_ids=[s[i].tail_ids for i in idx], weight_version=[s[i].weights_version for i in idx])
+                                tail_ids=[s[i].tail_ids for i in idx], weight_version=[s[i].weights_version for i in idx],
+                                lev_drafts=[s[i].lev_drafts for i in idx])
     t0 = time.perf_counter()
     metrics = run.cluster.learner.update(batch)
     metrics["perf/train_tokens_per_s"] = int(batch.input_ids.numel()) / max(time.perf_counter() - t0, 1e-9)

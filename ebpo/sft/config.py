@@ -104,6 +104,9 @@ class SFTConfig:
     name: str = doc("run name (run directory prefix, W&B name)", "sft")
     model: str = doc("initial weights: a folder, tiny-sft, or preset:NAME[@seed] (random init)", "preset:tiny@0")
     block_size: int = doc("training block size (0 = the model config's block_size)", 0)
+    edit_tokens: bool = doc("name the character tokenizer's <|delete|> / <|insert|> ids (105, 106: unused before) "
+                            "in a model trained without them (delete_token_id / insert_token_id), for Levenshtein "
+                            "SFT (objective.lev_weight); weights and other ids unchanged", False)
     data: SFTDataConfig = doc("datasets", default_factory=SFTDataConfig)
     objective: ObjectiveConfig = doc("M2T + T2T mixture, MTF, normalisation", default_factory=ObjectiveConfig)
     optim: OptimConfig = doc("optimizer and schedule", default_factory=OptimConfig)

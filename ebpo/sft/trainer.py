@@ -29,6 +29,21 @@ from ebpo.core.objectives import LossShard, mixture_loss, shard_of, take_rows
 from ebpo.sft.config import SFTConfig
 
 
+def name_edit_tokens(model_config, tokenizer):
+    """Set `delete_token_id` / `insert_token_id` of a character-tokenizer model trained before they were named;
+    returns the tokenizer that names them (the project's, whose ids below them are `tokenizer`'s, checked)."""
+    from ebpo.model.tokenizer import DELETE, INSERT, load_tokenizer
+
+    named = load_tokenizer()
+    ids = named.convert_tokens_to_ids([DELETE, INSERT])
+    if {t: i for t, i in named.get_vocab().items() if i < min(ids)} != tokenizer.get_vocab():
+        raise ValueError("edit_tokens: the model's tokenizer is not the project's character tokenizer; set "
+                         "delete_token_id / insert_token_id in its config.json yourself")
+    model_config.delete_token_id, model_config.insert_token_id = ids
+    model_config.validate()
+    return named
+
+
 def build_examples(cfg: SFTConfig, tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
     """(ids, prompt_len) per training example: SFT rows, or CPT chunks (prompt_len 0: all is response)."""
     d = cfg.data
@@ -77,7 +92,15 @@ class SFTTrainer:
         self.block_size = cfg.block_size or base.config.block_size
         base.config.block_size = self.block_size  # the exported model says which blocks it was trained on
         self.mask_id = base.config.mask_token_id
+        if cfg.edit_tokens and getattr(base.config, "delete_token_id", None) is None:
+            self.tokenizer = name_edit_tokens(base.config, self.tokenizer)
+        if cfg.objective.lev_weight > 0 and getattr(base.config, "delete_token_id", None) is None:
+            raise ValueError("objective.lev_weight: the model's config has no delete_token_id / insert_token_id "
+                             "(start from preset:tiny, whose vocabulary names them)")
         exclude = set(self.tokenizer.all_special_ids) - {self.tokenizer.eos_token_id} | {self.mask_id}
+        # the edit-control tokens (ids that were unused before issue 29) stay allowed substitutes, so the T2T
+        # noise of a run is what it was before they were named
+        exclude -= {getattr(base.config, "delete_token_id", None), getattr(base.config, "insert_token_id", None)}
         self.allowed_ids = substitution_ids(base.config.vocab_size, sorted(exclude))
         if tc.gradient_checkpointing:
             enable_activation_checkpointing(base)
@@ -204,6 +227,17 @@ class SFTTrainer:
                                      window=ob.mbe_window, rate=ob.t2t_rate, keep_weight=ob.keep_weight,
                                      allowed_ids=self.allowed_ids, generator=generator)
             loss = loss + ob.mbe_weight * mbe
+            metrics.update(m, **{"loss/total": float(loss.detach())})
+        if ob.lev_weight > 0:  # Levenshtein rounds on the first round's draft (ebpo/core/lev_objective.py)
+            from ebpo.core.lev_objective import levenshtein_loss
+
+            if shard is not None:
+                raise ValueError("objective.lev_weight: the Levenshtein rounds run on one rank only; set "
+                                 "objective.lev_weight=0 or train on one rank")
+            mc = self.model_config
+            lev, m = levenshtein_loss(fwd, self.lm_head, clean, response, draft, ob, self.block_size, self.mask_id,
+                                      mc.delete_token_id, mc.insert_token_id, self.allowed_ids, generator)
+            loss = loss + ob.lev_weight * lev
             metrics.update(m, **{"loss/total": float(loss.detach())})
         return loss, metrics, draft
 

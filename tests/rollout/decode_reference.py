@@ -17,7 +17,7 @@ def _eos_set(cfg):
     return set(eos) if isinstance(eos, (list, tuple)) else {eos}
 
 
-def _candidates(model, x, L, mask_fn, lo, hi, mask_id, penalty):
+def _candidates(model, x, L, mask_fn, lo, hi, mask_id, penalty, lev_ids=None, eprob=None):
     keep = mask_fn(L)
     with torch.no_grad():
         logits = model(torch.tensor([x[:L]]), attention_mask=keep[None, None],
@@ -28,6 +28,10 @@ def _candidates(model, x, L, mask_fn, lo, hi, mask_id, penalty):
         if penalty and i >= 1 and x[i - 1] != mask_id:
             row[x[i - 1]] -= penalty
         row[mask_id] = float("-inf")
+        if lev_ids is not None:  # DELETE / INSERT priced before the penalty, then never a written token
+            full = torch.softmax(logits[i].double().masked_fill(torch.arange(row.shape[0]) == mask_id, float("-inf")), -1)
+            eprob[i] = (float(full[lev_ids[0]]), float(full[lev_ids[1]]))
+            row[list(lev_ids)] = float("-inf")
         p = torch.softmax(row, -1)
         c = int(torch.argmax(p))
         cand[i], prob[i] = c, float(p[c])
@@ -35,40 +39,68 @@ def _candidates(model, x, L, mask_fn, lo, hi, mask_id, penalty):
 
 
 def reference_decode(model, prompt, K, M, tau_mask, tau_edit, max_post_steps=16, num_to_transfer=1,
-                     penalty=0.0, mbe_window=0, mbe_tau=0.9, mbe_max_passes=2, stop_at_eos=True):
+                     penalty=0.0, mbe_window=0, mbe_tau=0.9, mbe_max_passes=2, stop_at_eos=True,
+                     tau_delete=None, tau_insert=None, max_lev_edits=2):
     cfg = model.config
     mask_id, eos = cfg.mask_token_id, _eos_set(cfg)
     editing = tau_edit is not None and tau_edit >= 0
     P = len(prompt)
     T = -(-(P + M) // K) * K
     x = list(prompt) + [mask_id] * (T - P)
-    stats = dict(forwards=0, edits=0, mbe_edits=0, fallbacks=0)
+    stats = dict(forwards=0, edits=0, mbe_edits=0, fallbacks=0, deletes=0, inserts=0)
+    lev = any(t is not None and t >= 0 for t in (tau_delete, tau_insert))
+    lev_ids = (cfg.delete_token_id, cfg.insert_token_id) if lev else None
+    on_d = tau_delete is not None and tau_delete >= 0
+    on_i = tau_insert is not None and tau_insert >= 0
     first = P // K
     b = first
     while True:
         post = iters = 0
         lo, hi = b * K, (b + 1) * K
         while True:
-            cand, prob = _candidates(model, x, hi, lambda L: block_causal_mask(L, K), lo, hi, mask_id, penalty)
+            eprob = {}
+            cand, prob = _candidates(model, x, hi, lambda L: block_causal_mask(L, K), lo, hi, mask_id, penalty,
+                                     lev_ids, eprob)
             stats["forwards"] += 1
             iters += 1
+            ops = {}  # position -> "del" / "ins": the most confident max_lev_edits, one per position
+            if lev:
+                want = []
+                for i in range(max(lo, P), hi):
+                    pd, pi = eprob[i]
+                    if on_d and pd > tau_delete and pd >= (pi if on_i else -1.0):
+                        want.append((-pd, i, "del"))
+                    elif on_i and pi > tau_insert and pi > (pd if on_d else -1.0):
+                        want.append((-pi, i, "ins"))
+                ops = {i: op for _, i, op in sorted(want)[:max_lev_edits]}
             masks = [i for i in range(lo, hi) if i >= P and x[i] == mask_id]
-            gamma = [i for i in masks if prob[i] > tau_mask]
+            free = [i for i in masks if i not in ops]
+            gamma = [i for i in free if prob[i] > tau_mask]
             if len(gamma) < num_to_transfer:
-                if len(gamma) < len(masks):
+                if len(gamma) < len(free):
                     stats["fallbacks"] += 1
-                gamma = sorted(masks, key=lambda i: -prob[i])[:num_to_transfer]
+                gamma = sorted(free, key=lambda i: -prob[i])[:num_to_transfer]
             delta = []
             if editing:
                 delta = [i for i in range(lo, hi)
-                         if i >= P and x[i] != mask_id and cand[i] != x[i] and prob[i] > tau_edit]
+                         if i >= P and i not in ops and x[i] != mask_id and cand[i] != x[i] and prob[i] > tau_edit]
             for i in gamma + delta:
                 x[i] = cand[i]
-            stats["edits"] += len(delta)
+            if ops:  # rebuild the block: DELETE drops x_i, INSERT puts a mask before it; pad or cut at the tail
+                block = []
+                for i in range(lo, hi):
+                    if ops.get(i) == "ins":
+                        block += [mask_id, x[i]]
+                    elif ops.get(i) != "del":
+                        block.append(x[i])
+                x[lo:hi] = (block + [mask_id] * K)[:K]
+                stats["deletes"] += sum(op == "del" for op in ops.values())
+                stats["inserts"] += sum(op == "ins" for op in ops.values())
+            stats["edits"] += len(delta) + len(ops)
             if not masks:
                 post += 1
             left = sum(1 for i in range(lo, hi) if i >= P and x[i] == mask_id)
-            if not masks and not delta:
+            if not masks and not delta and not ops:
                 break
             if left == 0 and (post >= max_post_steps or not editing):
                 break
