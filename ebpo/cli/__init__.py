@@ -5,7 +5,7 @@
     ebpo eval ...                            held-out accuracy of a checkpoint
     ebpo export RUN_DIR OUT_DIR              write a Hugging Face folder
     ebpo plan RECIPE.yaml [key=value ...]    memory per GPU of an RL recipe on a cluster shape
-    ebpo bench NAME [...]                    benchmarks: decode, likelihood, rewards, kernels, check
+    ebpo bench NAME [...]                    benchmarks: decode, likelihood, rewards, kernels, agent, check
 
 The top-level parser picks the command; each command's own argparse parser, in the module that owns the
 feature, parses the rest (so `ebpo <command> --help` is that parser's help and the CLI never grows into a
@@ -33,6 +33,7 @@ BENCHMARKS = {
     "rewards": ("ebpo.bench.rewards:main", "math answers/s, sandboxed code executions/s, hang overhead"),
     "kernels": ("ebpo.bench.kernels:main", "FP8 GEMM, fused decode step, chunked log-probs (GPU or CPU)"),
     "learner": ("ebpo.bench.learner:main", "EBPO learner tokens/s: token-budget micro-batches, W = 1 vs 2 ranks"),
+    "agent": ("ebpo.bench.agent:main", "multi-turn decoding: ready sequences continuing past one waiting on its tool"),
     "check": ("ebpo.bench.check:main", "headline ratios of the benchmarks against committed baselines"),
 }
 
