@@ -20,7 +20,8 @@ import sys
 # command -> ("module:function", one-line help); the function takes the remaining argv, returns an exit code.
 COMMANDS = {
     "train": ("ebpo.cli.train:main", "CPT / SFT / RL training from a YAML recipe with key=value overrides"),
-    "generate": ("rollout.cli:main", "draft-and-edit decoding of prompts (Quality / Speedy / M2T modes)"),
+    "generate": ("ebpo.cli.generate:main", "draft-and-edit decoding of prompts (Quality / Speedy / M2T modes); "
+                 "--env: multi-turn rollouts"),
     "eval": ("ebpo.cli.eval:main", "held-out accuracy and tokens per forward of a model, per decode preset"),
     "export": ("ebpo.cli.export:main", "write a run's checkpoint as a Hugging Face model folder"),
     "plan": ("ebpo.cli.plan:main", "memory per GPU of an RL recipe on a cluster shape (nothing is run)"),
