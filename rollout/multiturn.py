@@ -7,8 +7,8 @@ a closed `</tool_call>`, or when its token budget is spent. Then:
 
 * the turn's text goes to `env.step` in a worker thread, and the sequence *waits*; the other sequences
   keep decoding (`continue_ready=True`); when the step returns, the sequence rejoins the batch at the next
-  forward. With `continue_ready=False` the step runs inline and the whole batch waits for it (the baseline
-  `ebpo bench agent` compares against);
+  forward. With `continue_ready=False` the whole batch pauses while any sequence waits (the pending steps
+  still run concurrently): the baseline `ebpo bench agent` compares against;
 * the environment's observation is wrapped in `observation_template` and tokenised alone: the turn's
   generated ids stay exactly as decoded (re-tokenising the concatenated text would not give them back),
   and the observation starts at the next block boundary after the turn (`ebpo.core.turns`: no block holds
@@ -51,7 +51,8 @@ class MultiTurnConfig:
     max_total_tokens: int = doc("most tokens per trajectory: prompt, turns, observations", 512)
     step_timeout_s: float = doc("wall-clock limit of one env.step; past it the trajectory fails", 30.0)
     continue_ready: bool = doc("sequences that are ready keep decoding while others wait on their tools; "
-                               "False: every env.step runs inline and the whole batch waits", True)
+                               "False: the batch pauses while any sequence waits (its pending steps still run "
+                               "concurrently), the baseline of `ebpo bench agent`", True)
     stop_at_tool_call: bool = doc("a finished block holding a closed </tool_call> ends the turn", True)
     observation_template: str = doc("text around an observation; {observation} is replaced", OBSERVATION_TEMPLATE)
     max_workers: int = doc("threads running env.step calls at once", 16)
@@ -167,9 +168,6 @@ def generate_multiturn(model, prompts: list[list[int]], envs: list, config: Deco
         s.submitted = time.monotonic()
         s.future = pool.submit(_timed_step, envs[r], text)
         s.status = "waiting"
-        if not mt.continue_ready:  # baseline: the batch waits for this step
-            concurrent.futures.wait([s.future], timeout=mt.step_timeout_s)
-            rejoin(r)
 
     def rejoin(r: int) -> None:
         """Take the step's result (done or timed out) and either end the trajectory or append the observation."""
@@ -221,6 +219,8 @@ def generate_multiturn(model, prompts: list[list[int]], envs: list, config: Deco
                 if s.status == "waiting":
                     rejoin(r)
             rows = [r for r in range(n) if seqs[r].status == "decoding"]
+            if not mt.continue_ready and any(s.status == "waiting" for s in seqs):
+                rows = []  # baseline: the whole batch pauses while any sequence waits on its environment
             if not rows:
                 waiting = [seqs[r].future for r in range(n) if seqs[r].status == "waiting"]
                 if not waiting:

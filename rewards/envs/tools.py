@@ -80,7 +80,8 @@ class Tool:
 
 
 def parse_tool_calls(text: str) -> list[dict]:
-    """Every `<tool_call>...</tool_call>` of a turn, as {"name", "arguments"} or {"error": why}."""
+    """Every `<tool_call>...</tool_call>` of a turn, as {"name", "arguments"} or {"error": why}; a turn that
+    opens a call and never closes one gives one {"error": "unclosed <tool_call>"}."""
     calls = []
     for body in TOOL_CALL_RE.findall(text):
         try:
@@ -101,6 +102,8 @@ def parse_tool_calls(text: str) -> list[dict]:
             calls.append({"error": "tool call 'arguments' must be an object", "name": obj["name"]})
             continue
         calls.append({"name": obj["name"], "arguments": args})
+    if not calls and "<tool_call>" in text:  # opened, never closed: a malformed call, not a final answer
+        calls.append({"error": "unclosed <tool_call>", "raw": text[text.index("<tool_call>"):][:200]})
     return calls
 
 

@@ -51,7 +51,7 @@ def test_spec_from_signature_and_argument_checks():
     assert (obs, reward, done) == ("5", 0.0, False) and info["tool_calls"][0]["ok"]
     for bad, why in [(call("add", a=2), "missing argument 'b'"), (call("add", a=2, b="3"), "must be integer"),
                      (call("mul", a=1, b=2), "unknown tool"), ("<tool_call>{nope</tool_call>", "malformed"),
-                     (call("add", a=1, b=2, c=3), "unknown argument")]:
+                     (call("add", a=1, b=2, c=3), "unknown argument"), ('<tool_call>{"name": "add"}<<tool', "unclosed")]:
         obs, _, done, info = env.step(bad)
         assert why in obs and not done and info["tool_calls"][0]["invalid"], bad
     assert tuple(env.step("5")) == (None, 1.0, True, {"final": True, "tool_calls": []})
