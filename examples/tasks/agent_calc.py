@@ -2,7 +2,8 @@
 
     python examples/tasks/agent_calc.py --out examples/data        # the shipped files (seed 0)
 
-Question: `Compute 482*37.` (a three-digit times a two-digit number, answer 4 to 5 digits). The tiny model
+Question: `Compute 482*37.` or `What is 482 times 37?` (a three-digit times a two-digit number, answer 4
+to 5 digits). The tiny model
 cannot multiply that in its head; the `calc` tool of `rewards.envs.calculator` can. Writes
 
 * `agent_train.jsonl`: rows `{"prompt", "answer", "task": "agent_calc", "style", "messages"}`, the messages a
@@ -12,8 +13,9 @@ cannot multiply that in its head; the `calc` tool of `rewards.envs.calculator` c
   - `bad`: a call with a wrong expression (one digit changed) whose result is boxed, or a malformed call
     (unknown tool, missing argument) answered by an error, then a guess;
   - `none`: no call, a guessed answer (wrong).
-  The mix is what sets the SFT model's starting success: it uses the tool well only part of the time,
-  and RL from the reward alone can raise that.
+  The mix differs by phrasing (`--mix` for `Compute ...`, mostly good; `--mix-words` for `What is ...`,
+  mostly no tool): it sets the SFT model's starting success (it calls the tool for one phrasing and
+  guesses for the other), and RL from the reward alone can raise it.
 * `agent_eval.jsonl`: held-out rows `{"prompt", "answer", "task"}` whose questions never occur in training.
 """
 from __future__ import annotations
@@ -72,24 +74,37 @@ def trajectory(a: int, b: int, style: str, rng: random.Random) -> list[dict]:
                    {"role": "assistant", "content": f"\\boxed{{{_guess(a, b, rng)}}}"}]
 
 
+PHRASES = ("Compute {a}*{b}.", "What is {a} times {b}?")
+
+
 def generate(out: str | Path, seed: int = 0, n_train: int = 6000, n_eval: int = 200,
-             mix: tuple[float, float, float] = (0.4, 0.25, 0.35)) -> None:
-    """Write agent_train.jsonl and agent_eval.jsonl under `out` (byte-identical for a seed)."""
+             mix: tuple[float, float, float] = (0.7, 0.15, 0.15),
+             mix_words: tuple[float, float, float] = (0.25, 0.15, 0.6)) -> None:
+    """Write agent_train.jsonl and agent_eval.jsonl under `out` (byte-identical for a seed).
+
+    Half the questions are phrased `Compute a*b.` (styles good / bad / none drawn with `mix`), half `What is a
+    times b?` (drawn with `mix_words`): the SFT model learns to call the tool mostly for the first phrasing
+    and mostly to guess for the second, so its greedy success is about half of what calling the tool every
+    time gives, and RL from the reward alone can carry the tool use over to the second phrasing."""
     rng = random.Random(seed)
     seen, evals = set(), []
     while len(evals) < n_eval:
         a, b = question(rng)
         if (a, b) not in seen:
             seen.add((a, b))
-            evals.append({"prompt": f"Compute {a}*{b}.", "answer": str(a * b), "task": "agent_calc"})
+            q = PHRASES[len(evals) % 2].format(a=a, b=b)
+            evals.append({"prompt": q, "answer": str(a * b), "task": "agent_calc"})
     train = []
     while len(train) < n_train:
         a, b = question(rng)
         if (a, b) in seen:
             continue
-        style = rng.choices(["good", "bad", "none"], weights=mix)[0]
-        train.append({"prompt": f"Compute {a}*{b}.", "answer": str(a * b), "task": "agent_calc", "style": style,
-                      "messages": trajectory(a, b, style, rng)})
+        words = len(train) % 2 == 1
+        style = rng.choices(["good", "bad", "none"], weights=mix_words if words else mix)[0]
+        msgs = trajectory(a, b, style, rng)
+        msgs[0]["content"] = PHRASES[words].format(a=a, b=b)
+        train.append({"prompt": msgs[0]["content"], "answer": str(a * b), "task": "agent_calc", "style": style,
+                      "messages": msgs})
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("agent_train.jsonl", train), ("agent_eval.jsonl", evals)):
@@ -104,9 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-train", type=int, default=6000)
     ap.add_argument("--n-eval", type=int, default=200)
-    ap.add_argument("--mix", default="0.4,0.25,0.35", help="fractions of good, bad and no-tool trajectories")
+    ap.add_argument("--mix", default="0.7,0.15,0.15",
+                    help="`Compute a*b.` questions: fractions of good, bad and no-tool trajectories")
+    ap.add_argument("--mix-words", default="0.25,0.15,0.6",
+                    help="`What is a times b?` questions: fractions of good, bad and no-tool trajectories")
     a = ap.parse_args(argv)
-    generate(a.out, a.seed, a.n_train, a.n_eval, tuple(float(x) for x in a.mix.split(",")))
+    generate(a.out, a.seed, a.n_train, a.n_eval, tuple(float(x) for x in a.mix.split(",")),
+             tuple(float(x) for x in a.mix_words.split(",")))
     return 0
 
 
