@@ -17,6 +17,9 @@ SHIPPED_MODELS = {
     # tiny-sft fine-tuned on answers half of which skip the working (recipes/sft_tiny_mixed.yaml): the
     # RL quickstart's starting point
     "tiny-sft-mixed": ASSETS / "tiny-sft-mixed",
+    # tiny-sft fine-tuned on calculator-tool trajectories (recipes/sft_tiny_agent.yaml): the agentic task's
+    # starting point (docs/training.md)
+    "tiny-agent": ASSETS / "tiny-agent",
 }
 
 
