@@ -5,8 +5,9 @@ A reward is a plain function with keyword-only arguments, for example::
     def my_reward(*, completion: str, answer: str | None, **_) -> float: ...
 
 It may ask for any of ``prompt``, ``completion``, ``answer``, ``tests``, ``metadata`` (the dataset row's
-fields) plus the per-reward ``kwargs`` of its :class:`RewardSpec`; it receives only the names it declares
-(or all of them when it takes ``**kwargs``). It returns a float, ``None`` (= skip), or a
+fields), ``trajectory`` (a multi-turn rollout's turns, tool calls and results; None for single-turn
+samples: rewards/trajectory.py) plus the per-reward ``kwargs`` of its :class:`RewardSpec`; it receives
+only the names it declares (or all of them when it takes ``**kwargs``). It returns a float, ``None`` (= skip), or a
 :class:`RewardResult` with a score and named extras. ``async def`` rewards are awaited. A batched reward
 is marked with :func:`batched` and receives lists (``prompt=[...]``, ``completion=[...]``, ...) and
 returns a list of the same length.
@@ -17,7 +18,8 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-SAMPLE_FIELDS = ("prompt", "completion", "answer", "tests", "metadata")
+# "trajectory": a multi-turn rollout's record (rewards/trajectory.py), None for single-turn samples.
+SAMPLE_FIELDS = ("prompt", "completion", "answer", "tests", "metadata", "trajectory")
 
 
 @dataclasses.dataclass

@@ -20,6 +20,9 @@ BUILTINS = {
     "format_boxed": "rewards.format_reward:format_boxed",
     "format_code": "rewards.format_reward:format_code",
     "decode_cost": "rewards.decode_cost:decode_cost",
+    "task_completion": "rewards.trajectory:task_completion",
+    "tool_call_validity": "rewards.trajectory:tool_call_validity",
+    "turn_format": "rewards.trajectory:turn_format",
 }
 
 

@@ -4,6 +4,7 @@
     ebpo generate --prompts-file prompts.txt --mode speed --set max_new_tokens=64 --json
     ebpo generate --prompt "hello" --chat --show          # watch the canvas fill and edit
     ebpo generate --prompt "hi" --temperature 0.8 --seed 3 --set top_p=0.9
+    ebpo generate --model DIR --chat --prompt "Compute 482*37." --env calculator --show   # turns, tool calls
 """
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], env_factory=None, multiturn: dict | None = None) -> int:
+    """`ebpo generate`; with `env_factory` (a no-argument callable building one environment: `ebpo.cli.generate`
+    passes it for `--env`), each prompt is a multi-turn rollout (`rollout.multiturn`)."""
     args = _parser().parse_args(argv)
     try:
         overrides = dict(parse_override(s) for s in args.set)
@@ -85,6 +88,8 @@ def main(argv: list[str]) -> int:
 
     from .decoder import generate
 
+    if env_factory is not None:
+        return _multiturn(args, model, tok, texts, ids, seeds, config, env_factory, multiturn or {})
     if args.show:
         from .show import CanvasView
 
@@ -100,4 +105,29 @@ def main(argv: list[str]) -> int:
         else:
             lev = f", deletes {out.num_deletes}, inserts {out.num_inserts}" if config.levenshtein else ""
             print(f"{out.text!r}  (forwards {out.num_forwards}, TPF {out.tpf:.2f}, edits {out.num_edits}{lev})")
+    return 0
+
+
+def _multiturn(args, model, tok, texts, ids, seeds, config, env_factory, multiturn: dict) -> int:
+    """Multi-turn rollouts of the prompts; `--show` renders each trajectory's turns, tool calls and results."""
+    from .multiturn import MultiTurnConfig, generate_multiturn, start_episodes
+
+    mt = MultiTurnConfig(**multiturn)
+    envs = [env_factory() for _ in ids]
+    prompts = start_episodes(envs, [{"prompt": t} for t in texts], ids, tok, seeds, mt.observation_template)
+    config = dataclasses.replace(config, mbe_window=0, compiled_step=False)
+    trajs = generate_multiturn(model, prompts, envs, config, mt, tokenizer=tok,
+                               seeds=seeds if config.temperature > 0 else None)
+    if args.show:
+        from rich.console import Console
+
+        from .show import render_trajectory
+
+        for tr in trajs:
+            Console().print(render_trajectory(tr.to_dict(), tok))
+    for tr in trajs:
+        if args.json:
+            print(json.dumps(tr.to_dict()))
+        elif not args.show:
+            print(tr.turns[-1].text if tr.turns else "")
     return 0

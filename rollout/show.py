@@ -88,3 +88,37 @@ class CanvasView:
         legend = Text.assemble(("prompt ", STYLES["prompt"]), ("\u2591 mask ", STYLES["mask"]),
                                ("drafted ", STYLES["draft"]), ("edited\n", STYLES["edit"]))
         return Group(*parts, legend)
+
+
+TURN_STYLES = {"prompt": "dim", "model": "green", "call": "bold cyan", "obs": "yellow", "error": "bold red",
+               "filler": "grey35"}
+
+
+def render_trajectory(traj: dict, tokenizer) -> Group:
+    """A multi-turn trajectory (`Trajectory.to_dict()`) as text: the prompt dim, each model turn green with
+    its tool calls cyan, each tool call's result (or error, red), the environment's observation yellow, and
+    a header line with the stop reason, turns, tool calls and reward (`ebpo generate --env ... --show`)."""
+    import re
+
+    head = Text(f"stop: {traj['stop']}{' (FAILED: ' + str(traj.get('error')) + ')' if traj.get('failed') else ''}"
+                f"  turns {len(traj['turns'])}  tool calls {sum(len(t['tool_calls']) for t in traj['turns'])}"
+                f"  env reward {traj.get('env_reward', 0.0):g}\n", style="bold")
+    body = Text(tokenizer.decode(traj["prompt_ids"], skip_special_tokens=False), style=TURN_STYLES["prompt"])
+    body.append("\n")
+    for t in traj["turns"]:
+        body.append(f"[turn {t['index'] + 1}, {t['forwards']} forwards, ended by {t['finished_by']}] ", style="bold")
+        pos = 0
+        for m in re.finditer(r"<tool_call>.*?</tool_call>", t["text"], re.S):
+            body.append(t["text"][pos:m.start()], style=TURN_STYLES["model"])
+            body.append(m.group(0), style=TURN_STYLES["call"])
+            pos = m.end()
+        body.append(t["text"][pos:] + "\n", style=TURN_STYLES["model"])
+        for c in t["tool_calls"]:
+            ok = c.get("ok")
+            body.append(f"  -> {c.get('name')}({c.get('arguments')}) = {c.get('result')!s:.200}"
+                        f" [{c.get('latency_s', 0.0):.3f} s]\n", style=TURN_STYLES["obs" if ok else "error"])
+        if t.get("error"):
+            body.append(f"  environment failed: {t['error']}\n", style=TURN_STYLES["error"])
+        elif t.get("observation") is not None and not t["tool_calls"]:
+            body.append(f"  <- {t['observation']!s:.200}\n", style=TURN_STYLES["obs"])
+    return Group(head, body)

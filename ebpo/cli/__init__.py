@@ -5,7 +5,7 @@
     ebpo eval ...                            held-out accuracy of a checkpoint
     ebpo export RUN_DIR OUT_DIR              write a Hugging Face folder
     ebpo plan RECIPE.yaml [key=value ...]    memory per GPU of an RL recipe on a cluster shape
-    ebpo bench NAME [...]                    benchmarks: decode, likelihood, rewards, kernels, check
+    ebpo bench NAME [...]                    benchmarks: decode, likelihood, rewards, kernels, agent, check
 
 The top-level parser picks the command; each command's own argparse parser, in the module that owns the
 feature, parses the rest (so `ebpo <command> --help` is that parser's help and the CLI never grows into a
@@ -20,7 +20,8 @@ import sys
 # command -> ("module:function", one-line help); the function takes the remaining argv, returns an exit code.
 COMMANDS = {
     "train": ("ebpo.cli.train:main", "CPT / SFT / RL training from a YAML recipe with key=value overrides"),
-    "generate": ("rollout.cli:main", "draft-and-edit decoding of prompts (Quality / Speedy / M2T modes)"),
+    "generate": ("ebpo.cli.generate:main", "draft-and-edit decoding of prompts (Quality / Speedy / M2T modes); "
+                 "--env: multi-turn rollouts"),
     "eval": ("ebpo.cli.eval:main", "held-out accuracy and tokens per forward of a model, per decode preset"),
     "export": ("ebpo.cli.export:main", "write a run's checkpoint as a Hugging Face model folder"),
     "plan": ("ebpo.cli.plan:main", "memory per GPU of an RL recipe on a cluster shape (nothing is run)"),
@@ -33,6 +34,7 @@ BENCHMARKS = {
     "rewards": ("ebpo.bench.rewards:main", "math answers/s, sandboxed code executions/s, hang overhead"),
     "kernels": ("ebpo.bench.kernels:main", "FP8 GEMM, fused decode step, chunked log-probs (GPU or CPU)"),
     "learner": ("ebpo.bench.learner:main", "EBPO learner tokens/s: token-budget micro-batches, W = 1 vs 2 ranks"),
+    "agent": ("ebpo.bench.agent:main", "multi-turn decoding: ready sequences continuing past one waiting on its tool"),
     "check": ("ebpo.bench.check:main", "headline ratios of the benchmarks against committed baselines"),
 }
 

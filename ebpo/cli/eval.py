@@ -32,7 +32,13 @@ def main(argv: list[str]) -> int:
                     help="decode with block routing capacity C (0 = off; default: the model's config), and report "
                          "the distinct routed experts per block and forward (docs/background.md section 9)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--env", default=None, help="multi-turn: an environment (built-in name, module:name or "
+                    "file.py:name); reports held-out success of multi-turn rollouts (ebpo/sft/agent_eval.py)")
+    ap.add_argument("--env-kwargs", default="{}", help="JSON keyword arguments of the environment factory")
+    ap.add_argument("--multiturn", default="{}", help='MultiTurnConfig fields as JSON, e.g. \'{"max_turns": 3}\'')
     args = ap.parse_args(argv)
+    if args.env:
+        return _agent(args)
 
     import torch
     from rich.console import Console
@@ -105,3 +111,38 @@ def _routing_stats(model, on: bool):
     from ebpo.model.routing import RoutingRecorder
 
     return RoutingRecorder(model)
+
+
+def _agent(args) -> int:
+    """`ebpo eval --env ...`: held-out success of multi-turn rollouts, with `--samples` trajectories shown."""
+    import torch
+    from rich.console import Console
+
+    from ebpo.infra.data import load_rows
+    from ebpo.model.loading import load_model, load_model_tokenizer
+    from ebpo.sft.agent_eval import evaluate_agent
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for src in args.data:
+        part = load_rows(src)
+        rows += part[: args.limit] if args.limit else part
+    model, tok = load_model(args.model).eval(), load_model_tokenizer(args.model)
+    res = evaluate_agent(model, tok, rows, env=args.env, env_kwargs=json.loads(args.env_kwargs),
+                         decode=json.loads(args.decode), multiturn=json.loads(args.multiturn),
+                         batch_size=args.batch_size, keep_samples=args.samples)
+    console = Console()
+    if res.samples:
+        from rollout.show import render_trajectory
+
+        for s in res.samples:
+            console.print(render_trajectory(s, tok))
+    console.print(f"{args.model}: held-out success {res.success:.3f} over {res.rows} rows ({res.wall_s:.1f} s); "
+                  + ", ".join(f"{k.split('/', 1)[1]} {v:.2f}" for k, v in res.metrics.items()
+                              if not k.startswith("agent/stop/")))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "data": args.data, "env": args.env, "success": res.success,
+                       "rows": res.rows, "metrics": res.metrics}, f, indent=1)
+    return 0

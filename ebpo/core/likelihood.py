@@ -124,6 +124,42 @@ class NoiseDraws:
         return self._cut(idx, length)
 
 
+def turn_response_mask(generated: torch.Tensor, segment: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(B, L) bool response mask of multi-turn sequences: the model-generated tokens, every turn at once.
+
+    generated (B, L) bool (True where the model wrote the token; environment and prompt tokens are
+    context); segment (B, L) long, the time-ordered segment of each token (`ebpo.core.turns`; right
+    padding -1). The sequences must be laid out by `ebpo.core.turns.layout_segments` (every model turn
+    padded to a block boundary): then the ordinary composite of `draw_noise` / `composite_logprobs` on
+    this mask scores each turn with only its past visible (docs/ebpo.md, "Multi-turn"). A block that
+    holds model tokens together with a later segment would let them see the future: refused
+    (ValueError naming the row and block).
+    """
+    from ebpo.core.turns import leaking_blocks
+
+    bad = leaking_blocks(generated, segment, block_size)
+    if bad.any():
+        row, blk = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"turn_response_mask: row {row} block {blk} holds model tokens and a later segment "
+                         "(environment tokens after a turn must start a new block: ebpo.core.turns.layout_segments)")
+    return generated.bool()
+
+
+def per_turn_composites(blocks: torch.Tensor, turn: torch.Tensor, block_size: int, n_turns: int) -> torch.Tensor:
+    """Split per-block composites into per-turn ones: blocks (B, N, nb) (`return_blocks=True`), turn (B, L)
+    long (`ebpo.core.turns.turn_index`: the model turn of each generated token, -1 for context) ->
+    (B, N, n_turns), whose sum over turns is the composite. With aligned turns a block's terms belong to one
+    turn (the one whose tokens it holds); blocks without generated tokens contribute nothing."""
+    B, N, nb = blocks.shape
+    L = turn.shape[1]
+    pad = nb * block_size - L
+    per_block = torch.nn.functional.pad(turn.long(), (0, max(pad, 0)), value=-1)[:, : nb * block_size]
+    per_block = per_block.view(B, nb, block_size).amax(-1)  # (B, nb), -1: no generated token
+    onehot = torch.nn.functional.one_hot(per_block.clamp(min=0), n_turns).to(blocks.dtype)
+    onehot = onehot * (per_block >= 0)[..., None].to(blocks.dtype)  # (B, nb, T)
+    return torch.einsum("bnk,bkt->bnt", blocks, onehot)
+
+
 NOISE_FORMS = ("bernoulli", "exact_elbo")
 
 

@@ -162,9 +162,13 @@ def pack_documents(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]
     return chunks
 
 
-def collate(examples: list[tuple[list[int], int]], block_size: int, pad_id: int, *, eos_id: int | None = None,
-            mask_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def collate(examples: list[tuple[list[int], int | list[bool]]], block_size: int, pad_id: int, *,
+            eos_id: int | None = None, mask_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad (ids, prompt_len) examples to a common length that is a multiple of `block_size`.
+
+    A multi-turn example gives its loss mask instead of a prompt length: (ids, mask) with mask a list of
+    bools as long as ids (`ebpo.sft.multiturn.encode_messages`); it is used as it is (the layout already
+    ends every turn on a block boundary).
 
     Returns input_ids (B, L) long and response_mask (B, L) bool. The last block of an example is scored
     whole (docs/ebpo.md, "The last block"; the RL learner does the same with the sampler's canvas): the
@@ -181,6 +185,9 @@ def collate(examples: list[tuple[list[int], int]], block_size: int, pad_id: int,
     response = torch.zeros((B, L), dtype=torch.bool)
     for i, (ids, plen) in enumerate(examples):
         input_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        if isinstance(plen, (list, tuple)):  # multi-turn: an explicit loss mask
+            response[i, :len(plen)] = torch.tensor(plen, dtype=torch.bool)
+            continue
         end = -(-len(ids) // block_size) * block_size
         if eos_id is not None and mask_id is not None and ids and ids[-1] != eos_id:  # cut: hide the tail
             input_ids[i, len(ids):end] = mask_id

@@ -19,6 +19,9 @@ SHIPPED_MODELS = {
     "tiny-sft-mixed": ASSETS / "tiny-sft-mixed",
     # tiny-sft with DELETE / INSERT named and fine-tuned with Levenshtein rounds (recipes/sft_tiny_lev.yaml)
     "tiny-sft-lev": ASSETS / "tiny-sft-lev",
+    # tiny-sft fine-tuned on calculator-tool trajectories (recipes/sft_tiny_agent.yaml): the agentic task's
+    # starting point (docs/training.md)
+    "tiny-agent": ASSETS / "tiny-agent",
 }
 
 

@@ -21,6 +21,9 @@ class SFTDataConfig:
     prompt_field: str = doc("SFT: row field with the user prompt", "prompt")
     response_field: str = doc("SFT: row field with the reference completion", "response")
     text_field: str = doc("CPT: row field with the document text", "text")
+    multi_turn: bool = doc("SFT: rows are chat conversations with tool calls (data.messages_field); loss on the "
+                           "assistant turns only, each turn padded to a block boundary (ebpo/sft/multiturn.py)", False)
+    messages_field: str = doc("SFT with multi_turn: row field with the list of {role, content} messages", "messages")
     chat_template: bool = doc("SFT: wrap prompts in the tokenizer's chat template", True)
     max_len: int = doc("SFT: longest prompt+response in tokens; CPT: packed chunk length", 256)
     max_prompt_tokens: int = doc("SFT: longer prompts are cut from the left", 192)

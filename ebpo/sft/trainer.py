@@ -44,13 +44,22 @@ def name_edit_tokens(model_config, tokenizer):
     return named
 
 
-def build_examples(cfg: SFTConfig, tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
-    """(ids, prompt_len) per training example: SFT rows, or CPT chunks (prompt_len 0: all is response)."""
+def build_examples(cfg: SFTConfig, tokenizer, rows: list[dict], block_size: int = 0) -> list[tuple[list[int], int]]:
+    """(ids, prompt_len) per training example: SFT rows, or CPT chunks (prompt_len 0: all is response); a
+    multi-turn row (with `data.messages_field`) gives (ids, loss mask) laid out for blocks of `block_size`."""
     d = cfg.data
     if cfg.kind == "cpt":
         return [(c, 0) for c in pack_documents(tokenizer, [r[d.text_field] for r in rows], d.max_len)]
-    return [encode_sft(tokenizer, r[d.prompt_field], r[d.response_field], chat_template=d.chat_template,
-                       max_len=d.max_len, max_prompt_tokens=d.max_prompt_tokens) for r in rows]
+    out = []
+    for r in rows:
+        if d.multi_turn:  # multi-turn chat with tool calls (ebpo/sft/multiturn.py)
+            from ebpo.sft.multiturn import encode_messages
+
+            out.append(encode_messages(tokenizer, r[d.messages_field], block_size, max_len=d.max_len))
+        else:
+            out.append(encode_sft(tokenizer, r[d.prompt_field], r[d.response_field], chat_template=d.chat_template,
+                                  max_len=d.max_len, max_prompt_tokens=d.max_prompt_tokens))
+    return out
 
 
 class SFTTrainer:
@@ -73,13 +82,12 @@ class SFTTrainer:
 
         self.tokenizer = load_model_tokenizer(cfg.model)
         required = (cfg.data.text_field,) if cfg.kind == "cpt" else (cfg.data.prompt_field, cfg.data.response_field)
-        self.examples = build_examples(cfg, self.tokenizer, load_rows(cfg.data.train, required))
+        train_rows = load_rows(cfg.data.train, (cfg.data.messages_field,) if cfg.data.multi_turn else required)
         self.eval_rows = load_rows(cfg.data.eval) if cfg.data.eval else []
         if cfg.eval.size and self.eval_rows:
             from ebpo.sft.evaluation import balanced_subset
 
             self.eval_rows = balanced_subset(self.eval_rows, cfg.eval.size)  # every task represented
-        self.sampler = EpochSampler(len(self.examples), tc.seed, cfg.data.shuffle)
         self.noise_gen = torch.Generator().manual_seed(tc.seed)
         self.pending: list[list[int]] = []  # bucketed batches not served yet (saved in checkpoints)
 
@@ -102,6 +110,8 @@ class SFTTrainer:
         # noise of a run is what it was before they were named
         exclude -= {getattr(base.config, "delete_token_id", None), getattr(base.config, "insert_token_id", None)}
         self.allowed_ids = substitution_ids(base.config.vocab_size, sorted(exclude))
+        self.examples = build_examples(cfg, self.tokenizer, train_rows, self.block_size)
+        self.sampler = EpochSampler(len(self.examples), tc.seed, cfg.data.shuffle)
         if tc.gradient_checkpointing:
             enable_activation_checkpointing(base)
         self.base = base
@@ -299,7 +309,7 @@ class SFTTrainer:
             return {}
         self.model.eval()
         gen = torch.Generator().manual_seed(12345)
-        ex = build_examples(self.cfg, self.tokenizer, rows)
+        ex = build_examples(self.cfg, self.tokenizer, rows, self.block_size)
         total, count = {}, 0
         for s in range(0, len(ex), self.cfg.trainer.batch_size):
             ids, resp = collate(ex[s:s + self.cfg.trainer.batch_size], self.block_size, self.tokenizer.pad_token_id,
