@@ -30,7 +30,9 @@ class RewardLoadError(ValueError):
     """A reward reference that cannot be imported, or a function whose signature does not fit."""
 
 
-def _load_file(path: str, ref: str):
+def load_module_file(path: str, ref: str):
+    """The Python file `path` imported as a module (once per absolute path); `ref` names it in errors
+    (RewardLoadError). Shared by reward and environment references of the form `path.py:name`."""
     if not os.path.isfile(path):
         raise RewardLoadError(f"reward {ref!r}: file {path!r} does not exist")
     # Module name from the absolute path so two files called rewards.py do not collide.
@@ -60,7 +62,7 @@ def load_reward(ref: str) -> Callable:
             "'package.module:function' or 'path/to/file.py:function'")
     where, func_name = target.rsplit(":", 1)
     if where.endswith(".py") or os.sep in where:
-        module = _load_file(where, ref)
+        module = load_module_file(where, ref)
     else:
         try:
             module = importlib.import_module(where)

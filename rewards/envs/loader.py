@@ -9,7 +9,7 @@ import importlib
 import os
 from typing import Callable
 
-from rewards.loader import RewardLoadError, _load_file
+from rewards.loader import RewardLoadError, load_module_file
 
 BUILTIN_ENVS = {"calculator": "rewards.envs.calculator:calculator_env"}
 
@@ -29,7 +29,7 @@ def load_environment(ref: str) -> Callable:
     where, name = target.rsplit(":", 1)
     if where.endswith(".py") or os.sep in where:
         try:
-            module = _load_file(where, ref)
+            module = load_module_file(where, ref)
         except RewardLoadError as e:
             raise EnvLoadError(str(e).replace("reward", "environment", 1)) from e
     else:

@@ -17,8 +17,9 @@ Isolation and limits, per tool (`Tool.isolation`):
   * "thread" (default): the function runs in a worker thread; past `timeout_s` the call is an error
     observation and the thread is abandoned (it cannot be killed: use "process" for tools that may hang);
   * "process": a forked child runs the call and is killed at `timeout_s`; a crash (signal, exit) is an error;
-  * "sandbox": the function's source (it must be self-contained) runs in `rewards.sandbox` (bubblewrap /
-    namespaces / rlimits, as the code reward), for tools that run untrusted input as code.
+  * "sandbox": refused for now. It ran the function's source in `rewards.sandbox`; since that sandbox
+    judges in a separate process and returns verdicts only (docs/rewards.md, the trust boundary), a
+    tool's return value has no way back out yet. Use "process" (killed at `timeout_s`) meanwhile.
 A tool that hangs, crashes, raises or returns something unprintable becomes an error observation
 (`error: ...`), recorded in `info["tool_calls"]`; the environment never raises.
 """
@@ -69,6 +70,10 @@ class Tool:
     def __post_init__(self) -> None:
         if self.isolation not in ISOLATIONS:
             raise ValueError(f"Tool.isolation: choose one of {ISOLATIONS}, got {self.isolation!r}")
+        if self.isolation == "sandbox":
+            raise ValueError("Tool.isolation: 'sandbox' is not available yet (the code-reward sandbox returns "
+                             "verdicts, not values); use 'process', which runs the call in a forked child "
+                             "killed at timeout_s")
         if self.spec is None:
             self.spec = spec_from_function(self.fn)
         if "function" not in self.spec or "name" not in self.spec["function"]:

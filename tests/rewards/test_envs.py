@@ -92,20 +92,9 @@ def loop_forever(n: int) -> int:
         pass
 
 
-def test_sandboxed_tools_run_and_are_killed():
-    from rewards.sandbox import SandboxError, resolve_mode
-
-    try:
-        resolve_mode("auto")
-    except SandboxError as e:
-        pytest.skip(f"no sandbox here: {e}")
-    env = ToolEnv([Tool(square, isolation="sandbox", timeout_s=3), Tool(loop_forever, isolation="sandbox", timeout_s=1)])
-    env.reset({})
-    obs, _, _, info = env.step(call("square", n=12))
-    assert obs == "144" and info["tool_calls"][0]["ok"]
-    t0 = time.monotonic()
-    obs, _, _, info = env.step(call("loop_forever", n=1))
-    assert obs.startswith("error:") and time.monotonic() - t0 < 15
+def test_sandbox_isolation_is_refused_until_values_can_leave_the_judged_sandbox():
+    with pytest.raises(ValueError, match="'sandbox' is not available yet"):
+        Tool(square, isolation="sandbox", timeout_s=3)
 
 
 def test_calculator_and_loader(tmp_path):
