@@ -28,7 +28,7 @@ echo "lock.sh: resolving torch==$torch_version and .[test] in a fresh environmen
     # Local version labels (torch 2.13.0+cpu) are dropped: `torch==2.13.0` accepts the CPU and the CUDA
     # build alike, so the same lock serves a GPU machine that brings its own torch 2.13.0.
     "$pip" freeze --exclude-editable --all \
-        | grep -viE '^(ebpo|pip|setuptools|wheel)==' \
+        | grep -viE '^(ebpo|pip|setuptools|wheel) ?(==|@)' \
         | sed -E 's/^([^=]+)==([^+]+)\+.*$/\1==\2/' \
         | LC_ALL=C sort -f
 } > requirements/lock.txt.new

@@ -33,3 +33,11 @@ def test_every_dependency_of_pyproject_is_locked_and_inside_its_range():
         name = re.sub(r"[-_.]+", "-", req.name).lower()
         assert name in lock, f"{name} is a dependency but not in requirements/lock.txt: run scripts/lock.sh"
         assert req.specifier.contains(lock[name], prereleases=True), f"{name}=={lock[name]} is outside {req.specifier}"
+
+
+def test_the_lock_pins_versions_only_never_a_path_or_the_project_itself():
+    lines = [line for line in (ROOT / "requirements" / "lock.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    bad = [line for line in lines if not re.fullmatch(r"[A-Za-z0-9_.-]+==[^\s@+]+", line)
+           or re.sub(r"[-_.]+", "-", line.split("==")[0]).lower() == "ebpo"]
+    assert not bad, f"requirements/lock.txt must hold name==version lines only: {bad}"
