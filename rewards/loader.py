@@ -30,6 +30,18 @@ class RewardLoadError(ValueError):
     """A reward reference that cannot be imported, or a function whose signature does not fit."""
 
 
+def import_reference(where: str, ref: str):
+    """The module part of a `where:name` reference: a Python file (`path/file.py`) or an importable module
+    (`package.module`); `ref` names the reference in the RewardLoadError raised on failure. Shared by reward
+    and environment references."""
+    if where.endswith(".py") or os.sep in where:
+        return load_module_file(where, ref)
+    try:
+        return importlib.import_module(where)
+    except Exception as e:
+        raise RewardLoadError(f"reward {ref!r}: importing module {where!r} failed: {type(e).__name__}: {e}") from e
+
+
 def load_module_file(path: str, ref: str):
     """The Python file `path` imported as a module (once per absolute path); `ref` names it in errors
     (RewardLoadError). Shared by reward and environment references of the form `path.py:name`."""
@@ -61,13 +73,7 @@ def load_reward(ref: str) -> Callable:
             f"unknown reward {ref!r}: use a built-in ({', '.join(sorted(BUILTINS))}), "
             "'package.module:function' or 'path/to/file.py:function'")
     where, func_name = target.rsplit(":", 1)
-    if where.endswith(".py") or os.sep in where:
-        module = load_module_file(where, ref)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as e:
-            raise RewardLoadError(f"reward {ref!r}: importing module {where!r} failed: {type(e).__name__}: {e}") from e
+    module = import_reference(where, ref)
     fn = getattr(module, func_name, None)
     if fn is None:
         raise RewardLoadError(f"reward {ref!r}: {where!r} has no attribute {func_name!r}")

@@ -5,11 +5,9 @@ be a class (`MyEnv`) or a factory function (`calculator_env`). Built-in names: `
 """
 from __future__ import annotations
 
-import importlib
-import os
 from typing import Callable
 
-from rewards.loader import RewardLoadError, load_module_file
+from rewards.loader import RewardLoadError, import_reference
 
 BUILTIN_ENVS = {"calculator": "rewards.envs.calculator:calculator_env"}
 
@@ -27,16 +25,10 @@ def load_environment(ref: str) -> Callable:
         raise EnvLoadError(f"unknown environment {ref!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVS))}), "
                            "'package.module:name' or 'path/to/file.py:name'")
     where, name = target.rsplit(":", 1)
-    if where.endswith(".py") or os.sep in where:
-        try:
-            module = load_module_file(where, ref)
-        except RewardLoadError as e:
-            raise EnvLoadError(str(e).replace("reward", "environment", 1)) from e
-    else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as e:
-            raise EnvLoadError(f"environment {ref!r}: importing {where!r} failed: {type(e).__name__}: {e}") from e
+    try:
+        module = import_reference(where, ref)
+    except RewardLoadError as e:
+        raise EnvLoadError(str(e).replace("reward", "environment", 1)) from e
     obj = getattr(module, name, None)
     if obj is None or not callable(obj):
         raise EnvLoadError(f"environment {ref!r}: {where!r} has no callable {name!r}")
