@@ -94,6 +94,30 @@ class Trajectory:
         """Plain data (lists, dicts, str, numbers): what rewards and tables receive."""
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "Trajectory":
+        """The inverse of `to_dict` (a rollout worker's plain data back into records)."""
+        turns = [TurnRecord(**t) for t in data.get("turns") or []]
+        return cls(**{**data, "turns": turns})
+
+
+def trajectory_text(traj: dict, max_chars: int = 200) -> str:
+    """A trajectory (`Trajectory.to_dict()`) as plain text for tables (W&B, `tables/*.jsonl`): one line per
+    model turn, then one per tool call (`-> name(arguments) = result` or `!! error`), or the observation
+    (`<- text`); a failed environment step as `environment failed: ...`; values cut to `max_chars`."""
+    lines = []
+    for t in traj.get("turns") or []:
+        lines.append(f"[turn {t['index'] + 1}, {t['finished_by']}] {t['text']}")
+        for c in t.get("tool_calls") or []:
+            value = c.get("result") if c.get("ok") else f"!! {c.get('error')}"
+            lines.append(f"  -> {c.get('name')}({c.get('arguments')}) = {str(value)[:max_chars]}")
+        if t.get("error"):
+            lines.append(f"  environment failed: {str(t['error'])[:max_chars]}")
+        elif t.get("observation") is not None and not t.get("tool_calls"):
+            lines.append(f"  <- {str(t['observation'])[:max_chars]}")
+    lines.append(f"[stop: {traj.get('stop')}, env reward {float(traj.get('env_reward') or 0.0):g}]")
+    return "\n".join(lines)
+
 
 def summarize(trajectories: list[Trajectory]) -> dict:
     """Batch metrics (means over trajectories, `agent/` prefix) plus counts of failures and stop reasons."""

@@ -5,6 +5,11 @@ use it directly. Weights arrive from the learner as a state_dict, through the ob
 (`load_weights`) or a bucketed broadcast (`join_sync_group` + `receive_weights`), and are loaded in
 place; with `fp8=True` the linear layers and experts run the per-block FP8 kernels and every sync
 re-quantises them.
+
+Multi-turn (agentic) rollouts: with `env_factory` (a picklable zero-argument callable that builds one
+environment; the driver passes `functools.partial(rewards.envs.make_environment, name, kwargs)`, so this
+package never imports `rewards`) and `multiturn` (`MultiTurnConfig` fields), `generate(..., rows=...)`
+resets one environment per prompt with its dataset row and runs `rollout.multiturn.generate_multiturn`.
 """
 from __future__ import annotations
 
@@ -17,11 +22,12 @@ from ebpo.model.loading import load_model, load_model_tokenizer
 
 class RolloutWorker:
     def __init__(self, model: str, decode: dict, *, num_threads: int | None = None, fp8: bool = False,
-                 device: str = "cpu", weights=None, weights_version: int = 0):
+                 device: str = "cpu", weights=None, weights_version: int = 0, env_factory=None,
+                 multiturn: dict | None = None):
         """model: folder / `tiny-sft` / `preset:NAME[@seed]`; decode: DecodeConfig fields (incl. `preset`).
 
         `weights` (a state_dict or `WeightParts`) lets a restarted worker come back with the policy it had,
-        not the base model.
+        not the base model. `env_factory` / `multiturn`: multi-turn rollouts (module docstring).
         """
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -29,6 +35,8 @@ class RolloutWorker:
 
         decode = dict(decode)
         self.decode_config = DecodeConfig.preset(decode.pop("preset", "speed"), **decode)
+        self.env_factory = env_factory
+        self.multiturn = dict(multiturn or {})
         self.device = torch.device(device)
         self.model = load_model(model, device=self.device).eval()
         self.tokenizer = load_model_tokenizer(model)
@@ -43,11 +51,13 @@ class RolloutWorker:
             self.model = convert_model_to_fp8(self.model)
         self.fp8 = fp8
 
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None) -> list[dict]:
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None,
+                 rows: list[dict] | None = None) -> list[dict]:
         """Decode each prompt (token-id list) with its own seed; returns plain dicts (cheap to ship over Ray).
 
         `decode` (DecodeConfig fields incl. `preset`) replaces the worker's rollout config for this call,
-        e.g. greedy Quality Mode for evaluation.
+        e.g. greedy Quality Mode for evaluation. `rows` (one dataset row per prompt): multi-turn rollouts
+        against the worker's environment (each dict then also holds `trajectory`, `Trajectory.to_dict()`).
         """
         from . import DecodeConfig, generate
 
@@ -55,6 +65,8 @@ class RolloutWorker:
         if decode is not None:
             decode = dict(decode)
             config = DecodeConfig.preset(decode.pop("preset", "quality"), **decode)
+        if rows is not None:
+            return self._generate_turns(prompt_ids, seeds, config, rows)
         with torch.no_grad():
             outs = generate(self.model, prompt_ids, config, tokenizer=self.tokenizer, seeds=seeds)
         return [
@@ -65,6 +77,39 @@ class RolloutWorker:
              "weights_version": self.version}  # the policy that sampled it (asynchronous RL's staleness)
             for o in outs
         ]
+
+    def _generate_turns(self, prompt_ids: list[list[int]], seeds: list[int], config, rows: list[dict]) -> list[dict]:
+        """Multi-turn rollouts: one fresh environment per prompt, reset with its row and seed, then
+        `generate_multiturn`; the sample's response is everything after the prompt (turns and observations),
+        its text the last turn's (what a reward judges as the final answer)."""
+        from .multiturn import MultiTurnConfig, generate_multiturn, start_episodes
+
+        if self.env_factory is None:
+            raise ValueError("RolloutWorker.generate: rows given (multi-turn) but the worker has no env_factory")
+        if len(rows) != len(prompt_ids):
+            raise ValueError(f"RolloutWorker.generate: one row per prompt ({len(prompt_ids)}), got {len(rows)}")
+        mt = MultiTurnConfig(**self.multiturn)
+        envs = [self.env_factory() for _ in prompt_ids]
+        try:
+            prompts = start_episodes(envs, rows, prompt_ids, self.tokenizer, seeds, mt.observation_template)
+            trajs = generate_multiturn(self.model, prompts, envs, config, mt, tokenizer=self.tokenizer, seeds=seeds)
+        finally:
+            for env in envs:
+                close = getattr(env, "close", None)
+                if callable(close):
+                    try:
+                        close()
+                    except Exception:  # noqa: BLE001 (a failing close must not lose the batch)
+                        pass
+        out = []
+        for t in trajs:
+            response = t.ids[len(t.prompt_ids):]
+            last = t.turns[-1] if t.turns else None
+            out.append({"token_ids": response, "text": last.text if last else "", "num_forwards": t.num_forwards,
+                        "tpf": t.num_generated / max(t.num_forwards, 1), "num_edits": 0,
+                        "finished_by_eos": bool(last and last.finished_by == "eos"),
+                        "weights_version": self.version, "trajectory": t.to_dict()})
+        return out
 
     def load_weights(self, state_dict, version: int) -> float:
         """Load a learner state_dict (stacked-expert names or released names), or a

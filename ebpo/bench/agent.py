@@ -1,8 +1,14 @@
-"""`ebpo bench agent`: multi-turn decoding throughput when sequences wait on slow tools, with and without the
-ready sequences continuing past a waiting one (`rollout.multiturn`, `continue_ready`).
+"""`ebpo bench agent`: two side-by-side comparisons in one run, on tools that take real wall time.
 
-    ebpo bench agent                                    # 8 sequences, 3 turns, tools taking 0.2-0.6 s
-    ebpo bench agent --batch 16 --latency 1.0 --json docs/bench/agent_cpu.json
+1. multi-turn decoding throughput when sequences wait on slow tools, with and without the ready sequences
+   continuing past a waiting one (`rollout.multiturn`, `continue_ready`);
+2. wall time per RL step of the agent recipe at `trainer.max_staleness` 0 and 1 (`ebpo.bench.agent_rl`):
+   asynchronous RL overlapping tool waits and decoding with learning.
+
+    ebpo bench agent                                    # both; decoding: 8 sequences, 3 turns, tools 0.2-0.6 s
+    ebpo bench agent --skip-rl --batch 16 --latency 1.0 # decoding only
+    ebpo bench agent --skip-decode --rl-latency 1.0     # RL only
+    ebpo bench agent --json docs/bench/agent_cpu.json
 
 The environment is scripted (`LatencyEnv`): every turn is answered after a wall-clock latency that differs
 per sequence (sequence i waits `latency * (0.5 + (i % 3) / 2)` s), so tool time, not the model, decides
@@ -61,9 +67,34 @@ def main(argv: list[str]) -> int:
     p.add_argument("--turns", type=int, default=3, help="model turns per sequence (each followed by a tool call)")
     p.add_argument("--latency", type=float, default=0.4, help="mean tool latency in seconds")
     p.add_argument("--turn-tokens", type=int, default=32, help="max tokens per turn")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is for decoding; 1 per actor for RL, so that the rollout worker and the learner of the asynchronous run do not oversubscribe 2 cores)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--skip-decode", action="store_true", help="leave out the decoding comparison")
+    p.add_argument("--skip-rl", action="store_true", help="leave out the RL step comparison (max_staleness 0 vs 1)")
+    p.add_argument("--rl-recipe", default="recipes/quickstart_agent.yaml", help="agent recipe of the RL comparison")
+    p.add_argument("--rl-latency", type=float, default=1.0, help="seconds every tool call takes in the RL comparison")
+    p.add_argument("--rl-steps", type=int, default=5, help="RL steps per run (the first is left out)")
+    p.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra recipe override of both RL runs (repeatable)")
     a = p.parse_args(argv)
+    res = {"bench": "agent", "machine": platform.machine()}
+    if not a.skip_decode:
+        res["decode"] = _decode(a)
+    if not a.skip_rl:
+        from rich.console import Console
+
+        from ebpo.bench.agent_rl import compare, table
+
+        res["rl"] = compare(a.rl_recipe, a.rl_latency, a.rl_steps, a.threads or 1, a.rl_set)
+        Console().print(table(res["rl"]))
+        print(f"asynchronous RL (max_staleness 1) step speed-up: {res['rl']['speedup']:.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def _decode(a) -> dict:
     import torch
 
     from ebpo.infra.data import encode_prompt
@@ -91,7 +122,4 @@ def main(argv: list[str]) -> int:
                   f"{r['tokens_per_s']:.1f}", str(r["forwards"]), f"{r['env_latency_s_total']:.1f}")
     Console().print(t)
     print(f"throughput gain {res['speedup']:.2f}x; identical tokens: {same}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
+    return res

@@ -12,12 +12,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import asdict
 from typing import Callable, Optional
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rewards import RewardWorker
+from rewards.envs import make_environment
 from rollout.worker import RolloutWorker
 
 from ebpo.rl.actors import ResilientActor, split_evenly
@@ -58,11 +60,15 @@ class Cluster:
         rollout_cls = ray.remote(num_cpus=0, num_gpus=cfg.ray.rollout_gpus)(RolloutWorker)
         reward_cls = ray.remote(num_cpus=cfg.ray.reward_cpus)(RewardWorker)
         self._placement = self._place()
+        env = {}
+        if cfg.env.multi_turn:  # the worker builds one environment per trajectory (rollout never imports rewards)
+            env = {"env_factory": functools.partial(make_environment, cfg.env.name, dict(cfg.env.kwargs)),
+                   "multiturn": asdict(cfg.env.turns)}
 
         def rollout_factory(i: int):
             return rollout_cls.options(**self._placement(i)).remote(
                 self.model_spec, decode, num_threads=threads, fp8=cfg.rollout.fp8,
-                device="cuda" if cfg.ray.rollout_gpus > 0 else "cpu", **restart_weights())
+                device="cuda" if cfg.ray.rollout_gpus > 0 else "cpu", **env, **restart_weights())
 
         def reward_factory():
             return reward_cls.remote(self.reward_specs, num_workers=cfg.reward.num_workers,
@@ -147,11 +153,15 @@ class Cluster:
             self.placement_group = None
 
     # ------------------------------------------------------------------------------------------ calls
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None) -> list[RolloutSample]:
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None,
+                 rows: list[dict] | None = None) -> list[RolloutSample]:
         """Spread prompts over the rollout workers, in order; a dead worker is restarted and its share retried.
-        The caller holds `PolicyWeights.holding` so that no other version is loaded meanwhile."""
-        chunks = split_evenly(list(zip(prompt_ids, seeds)), len(self.rollout_workers))
-        tickets = [w.submit("generate", [p for p, _ in c], [s for _, s in c], decode)
+        `rows` (one dataset row per prompt): multi-turn rollouts against `env.name`. The caller holds
+        `PolicyWeights.holding` so that no other version is loaded meanwhile."""
+        items = list(zip(prompt_ids, seeds, rows if rows is not None else [None] * len(prompt_ids)))
+        chunks = split_evenly(items, len(self.rollout_workers))
+        tickets = [w.submit("generate", [p for p, _, _ in c], [s for _, s, _ in c], decode,
+                            [r for _, _, r in c] if rows is not None else None)
                    for w, c in zip(self.rollout_workers, chunks) if c]
         return [RolloutSample.from_worker(o) for w, t in zip(self.rollout_workers, tickets) for o in w.result(t)]
 

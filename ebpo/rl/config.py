@@ -14,6 +14,7 @@ from typing import Literal, Optional, Union
 
 from rewards import check_timeout_budget
 from rollout.config import DecodeConfig
+from rollout.multiturn import MultiTurnConfig
 
 from ebpo.infra.config import ConfigError, doc
 from ebpo.model.configuration_llada2_moe import LLaDA2MoeConfig
@@ -142,6 +143,21 @@ class TrainerConfig:
 
 
 @dataclass
+class EnvConfig:
+    name: Optional[str] = doc("multi-turn (agentic) rollouts against this environment: a built-in (calculator), "
+                              "package.module:name or path/to/file.py:name, called with env.kwargs to build one "
+                              "environment per trajectory (docs/rl.md, Agentic RL); null = single-turn rollouts", None)
+    kwargs: dict = doc("keyword arguments of the environment factory, e.g. {max_turns: 3, latency_s: 0.5}",
+                       default_factory=dict)
+    turns: MultiTurnConfig = doc("limits of a multi-turn rollout (rollout.multiturn.MultiTurnConfig)",
+                                 default_factory=MultiTurnConfig)
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.name)
+
+
+@dataclass
 class RayConfig:
     address: Optional[str] = doc("Ray cluster address; null = start a local instance (embedded default)", None)
     num_cpus: Optional[int] = doc("CPUs of the local instance (null = all)", None)
@@ -189,6 +205,7 @@ class RLConfig:
     learner: LearnerConfig = doc("the EBPO learner (ebpo.rl.learner_config.LearnerConfig); total_steps and seed "
                                  "default to trainer.steps and trainer.seed", default_factory=LearnerConfig)
     trainer: TrainerConfig = doc("loop, evaluation, checkpoints, tracking", default_factory=TrainerConfig)
+    env: EnvConfig = doc("multi-turn environment (agentic RL); env.name null = single-turn", default_factory=EnvConfig)
     ray: RayConfig = doc("cluster and resources", default_factory=RayConfig)
 
     def validate(self):
@@ -213,10 +230,29 @@ class RLConfig:
             lc.validate()  # again: max_staleness and total_steps were set above
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        if self.env.multi_turn:
+            self._check_multi_turn()
         if tc.max_staleness > 0 and self.ray.weight_sync != "object_store":
             raise ConfigError(f"trainer.max_staleness = {tc.max_staleness} needs ray.weight_sync=object_store "
                               f"(got {self.ray.weight_sync!r}): the rollout workers load older weight versions "
                               "from the object store")
+
+    def _check_multi_turn(self) -> None:
+        """Multi-turn rollouts decode block by block with the plain draft-and-edit step: the single-turn-only
+        decoding features and L-EBPO (whose edit labels assume one response) are refused by name."""
+        for section, preset, decode in (("rollout.decode", self.rollout.preset, self.rollout.decode),
+                                        ("rollout.eval_decode", self.rollout.eval_preset, self.rollout.eval_decode)):
+            d = DecodeConfig.preset(preset, **decode)
+            for key, on in (("mbe_window", d.mbe_window > 0), ("compiled_step", d.compiled_step),
+                            ("tau_delete", d.levenshtein and d.tau_delete is not None),
+                            ("tau_insert", d.levenshtein and d.tau_insert is not None)):
+                if on:
+                    raise ConfigError(f"{section}.{key} = {getattr(d, key)!r}: not available with env.name = "
+                                      f"{self.env.name!r} (multi-turn rollouts decode each block with the plain "
+                                      f"draft-and-edit step); remove it or set env.name=null")
+        if self.learner.levenshtein:
+            raise ConfigError(f"learner.levenshtein: L-EBPO scores single-turn responses; not available with "
+                              f"env.name = {self.env.name!r}")
 
     def check_against_model(self, model_block_size: int) -> list[str]:
         """Start-up checks that need the model: returns warnings, raises ConfigError on a block-size mismatch.

@@ -87,9 +87,12 @@ class Prompts:
 def reward_input(row: dict, completion: str, prompt_field: str, sample: Optional[RolloutSample] = None) -> dict:
     """What a reward function sees of one sample: prompt, completion, answer, tests, and the row's other
     fields as metadata (with the rollout's decode trace when `sample` is given, for rewards on decoding
-    cost, rewards/decode_cost.py)."""
+    cost, rewards/decode_cost.py). A multi-turn sample adds its `trajectory` (rewards/trajectory.py)."""
     meta = {k: v for k, v in row.items() if k not in ("prompt", "answer", "tests", "response")}
     if sample is not None:
         meta["decode"] = {"forwards": sample.num_forwards, "tokens": len(sample.token_ids)}
-    return {"prompt": row[prompt_field], "completion": completion, "answer": row.get("answer"),
-            "tests": row.get("tests"), "metadata": meta}
+    out = {"prompt": row[prompt_field], "completion": completion, "answer": row.get("answer"),
+           "tests": row.get("tests"), "metadata": meta}
+    if sample is not None and sample.trajectory is not None:
+        out["trajectory"] = sample.trajectory
+    return out

@@ -8,9 +8,11 @@ thread to the learner and saves with a checkpoint while it is in flight. `Learne
 tensors of one learner update. A record with a wrong shape or a missing field raises ValueError naming
 the field at construction.
 
-Extension points (agentic multi-turn rollouts, editing objectives): `RolloutSample.metadata` carries
-per-sample data from a rollout to a reward and to the step's record untouched; `LearnerBatch.response_mask`
-selects the positions the learner scores (a multi-turn sample masks the tool outputs there).
+Multi-turn (agentic) samples carry `RolloutSample.trajectory`: their response is everything after the prompt
+(model turns and environment observations), and `build_learner_batch` scores only the tokens the model
+wrote (`LearnerBatch.response_mask`), after checking that no block holds a model turn together with what
+came after it (`ebpo.core.likelihood.turn_response_mask`). `RolloutSample.metadata` carries other
+per-sample data from a rollout to a reward and to the step's record untouched.
 """
 from __future__ import annotations
 
@@ -32,7 +34,10 @@ class RolloutSample:
     edit_log: the decoder's rewrites ([position, old, new, ...] lists, `rollout.edits`);
     weights_version: the weight version that sampled it (asynchronous RL's staleness);
     lev_drafts: [offset, pre-edit block] of every block with a Levenshtein operation (L-EBPO, docs/ebpo.md);
-    metadata: free per-sample data (kept as is; for rollouts that need more than one decode).
+    metadata: free per-sample data (kept as is; for rollouts that need more than one decode);
+    trajectory: a multi-turn rollout's record (`rollout.trajectory.Trajectory.to_dict()`: `prompt_ids`, `ids`,
+    `generated`, `segment`, `turns`, ...), None for single-turn samples. Then token_ids is `ids` after
+    `prompt_ids` and text is the last turn's text.
     """
     token_ids: list[int]
     text: str
@@ -45,6 +50,7 @@ class RolloutSample:
     weights_version: int = 0
     lev_drafts: list = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    trajectory: Optional[dict] = None
 
     def __post_init__(self):
         if not isinstance(self.token_ids, list) or not all(isinstance(t, int) for t in self.token_ids):
@@ -54,6 +60,22 @@ class RolloutSample:
         if self.num_forwards < 0 or self.num_edits < 0:
             raise ValueError(f"RolloutSample: negative counts (num_forwards {self.num_forwards}, "
                              f"num_edits {self.num_edits})")
+        if self.trajectory is not None:
+            t = self.trajectory
+            missing = [k for k in ("prompt_ids", "ids", "generated", "segment", "turns") if k not in t]
+            if missing:
+                raise ValueError(f"RolloutSample.trajectory: missing {missing}")
+            if not (len(t["ids"]) == len(t["generated"]) == len(t["segment"])):
+                raise ValueError(f"RolloutSample.trajectory: ids, generated and segment differ in length "
+                                 f"({len(t['ids'])}, {len(t['generated'])}, {len(t['segment'])})")
+            if list(t["ids"][len(t["prompt_ids"]):]) != self.token_ids:
+                raise ValueError("RolloutSample.token_ids: must be the trajectory's ids after its prompt_ids")
+
+    @property
+    def prompt_ids(self) -> Optional[list[int]]:
+        """A multi-turn sample's prompt as decoded (the environment's first observation included); None for
+        single-turn samples (their prompt is the encoded row)."""
+        return None if self.trajectory is None else list(self.trajectory["prompt_ids"])
 
     @classmethod
     def from_worker(cls, out: Mapping[str, Any]) -> "RolloutSample":
@@ -176,7 +198,9 @@ class LearnerBatch:
 
 def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], advantages: torch.Tensor,
                         group_ids: torch.Tensor, pad_id: int, tail_ids: list[list[int]] | None = None,
-                        weight_version: list[int] | None = None, lev_drafts: list | None = None) -> LearnerBatch:
+                        weight_version: list[int] | None = None, lev_drafts: list | None = None,
+                        turns: list[tuple[list[bool], list[int]] | None] | None = None,
+                        block_size: int | None = None) -> LearnerBatch:
     """Right-padded learner batch.
 
     prompt_ids[i], response_ids[i]: token ids (the response ends at its first EOS, EOS included, or is
@@ -187,6 +211,10 @@ def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int
     last block"). Without tails, positions after the response are `pad_id` and not scored.
     weight_version[i] (optional): the weight version that sampled row i (asynchronous RL).
     lev_drafts[i] (optional): row i's pre-edit blocks, for L-EBPO (`learner.levenshtein`).
+    turns[i] (optional; None for a single-turn row): `(generated, segment)` of a multi-turn row over its
+    prompt + response (`rollout.trajectory.Trajectory`): only generated positions are scored, and a block
+    holding model tokens with a later segment raises ValueError (`ebpo.core.likelihood.turn_response_mask`,
+    which needs `block_size`).
     """
     B = len(prompt_ids)
     tails = tail_ids if tail_ids is not None else [[] for _ in range(B)]
@@ -202,6 +230,9 @@ def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int
         if r:
             input_ids[i, len(p): len(p) + len(r)] = torch.tensor(r, dtype=torch.long)
             response_mask[i, len(p): len(p) + len(r)] = True
+    if turns is not None and any(t is not None for t in turns):
+        response_mask = _turn_masks(response_mask, turns, [len(p) + len(r) for p, r in zip(prompt_ids, scored)],
+                                    block_size)
     return LearnerBatch(
         input_ids=input_ids,
         prompt_lens=torch.tensor([len(p) for p in prompt_ids], dtype=torch.long),
@@ -212,3 +243,26 @@ def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int
         weight_version=None if weight_version is None else torch.tensor(weight_version, dtype=torch.long),
         lev_drafts=lev_drafts,
     )
+
+
+def _turn_masks(response_mask: torch.Tensor, turns: list, lens: list[int], block_size: int | None) -> torch.Tensor:
+    """The response mask with multi-turn rows replaced by their generated tokens (checked for leaks)."""
+    from ebpo.core.likelihood import turn_response_mask
+
+    if block_size is None:
+        raise ValueError("build_learner_batch: multi-turn rows need block_size")
+    B, L = response_mask.shape
+    generated = torch.zeros(B, L, dtype=torch.bool)
+    segment = torch.full((B, L), -1, dtype=torch.long)
+    rows = [i for i, t in enumerate(turns) if t is not None]
+    for i in rows:
+        gen, seg = turns[i]
+        if len(gen) != lens[i] or len(seg) != lens[i]:
+            raise ValueError(f"build_learner_batch: row {i}: generated/segment cover {len(gen)}/{len(seg)} tokens, "
+                             f"the row has {lens[i]}")
+        generated[i, : lens[i]] = torch.tensor(gen, dtype=torch.bool)
+        segment[i, : lens[i]] = torch.tensor(seg, dtype=torch.long)
+    checked = turn_response_mask(generated, segment, block_size)
+    out = response_mask.clone()
+    out[rows] = checked[rows]
+    return out

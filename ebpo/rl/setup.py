@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 from rewards import RewardWorker, as_spec
+from rewards.envs import EnvLoadError, make_environment
 
 from ebpo.infra.checkpoint import latest_checkpoint
 from ebpo.infra.config import ConfigError, to_dict
@@ -52,6 +53,7 @@ class RLRun:
     judge_names: list[str]
     events: EventLog
     model_spec: str = ""
+    block_size: int = 0  # the learner's (= the sampler's) block size
     cluster: Cluster = None
     weights: PolicyWeights = None
     tracker: Tracker = None
@@ -82,7 +84,8 @@ class RLRun:
 def check(cfg: RLConfig) -> RLRun:
     """Step 1: everything that can be checked before a run directory exists (see the module docstring)."""
     model_spec = resolve_model_path(cfg.model)
-    for warning in cfg.check_against_model(model_block_size(model_spec)):  # block sizes, MBE
+    model_k = model_block_size(model_spec)
+    for warning in cfg.check_against_model(model_k):  # block sizes, MBE
         log.warning(warning)
     tokenizer = load_model_tokenizer(model_spec)
     prompts = Prompts(cfg.data, tokenizer)
@@ -96,6 +99,8 @@ def check(cfg: RLConfig) -> RLRun:
     with RewardWorker(reward_specs, num_workers=1, timeout_s=cfg.reward.timeout_s,
                       default_score=cfg.reward.default_score) as probe:
         probe.dry_run(reward_input(train_rows[0], "", cfg.data.prompt_field))
+    if cfg.env.multi_turn:
+        check_environment(cfg, train_rows[0])
     run_dir = resolve_run_dir(cfg.trainer.resume or cfg.trainer.run_dir, cfg.name)
     if cfg.trainer.resume and latest_checkpoint(run_dir) is None:
         raise ConfigError(f"trainer.resume: no checkpoint in {run_dir}/checkpoints")
@@ -103,8 +108,30 @@ def check(cfg: RLConfig) -> RLRun:
                 tokenizer=tokenizer, prompts=prompts, train_rows=train_rows, eval_rows=eval_rows,
                 sampler=PromptSampler(train_rows, cfg.trainer.seed, cfg.data.shuffle), reward_specs=reward_specs,
                 reward_names=names, judge_names=[n for n, f in zip(names, cfg.reward.fns) if f.judge],
-                events=EventLog(), model_spec=model_spec)
+                events=EventLog(), model_spec=model_spec, block_size=cfg.learner.block_size or model_k)
     return run
+
+
+def check_environment(cfg: RLConfig, row: dict) -> None:
+    """Build one environment of `env.name` with `env.kwargs` and reset it on a real row, in-process, before any
+    actor starts: a bad reference, bad keyword arguments or a `reset` that raises stop the run here with
+    one line (`rewards.envs.EnvLoadError`)."""
+    try:
+        env = make_environment(cfg.env.name, dict(cfg.env.kwargs))
+    except EnvLoadError:
+        raise
+    except Exception as err:  # the factory itself failed (bad kwargs, a bug in the user's code)
+        raise EnvLoadError(f"env.name = {cfg.env.name!r}: building it with env.kwargs = {dict(cfg.env.kwargs)} "
+                           f"failed: {type(err).__name__}: {err}") from None
+    try:
+        env.reset(row, 0)
+    except Exception as err:
+        raise EnvLoadError(f"env.name = {cfg.env.name!r}: reset() on the first training row failed: "
+                           f"{type(err).__name__}: {err}") from None
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
 
 
 def start_run(cfg: RLConfig) -> RLRun:

@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rollout.edits import edit_counts, edit_metrics
+from rollout.trajectory import Trajectory, summarize, trajectory_text
 
 from ebpo.core.algos import compute_advantages
 from ebpo.infra.data import reference_ids
@@ -38,10 +39,18 @@ def timed(times: dict[str, float], name: str) -> Iterator[None]:
 
 
 def generate(run: RLRun, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None,
-             weights: Optional[Weights] = None) -> list[RolloutSample]:
-    """Rollouts of `prompt_ids` with `weights` loaded first (None = whatever the workers hold)."""
+             weights: Optional[Weights] = None, rows: list[dict] | None = None) -> list[RolloutSample]:
+    """Rollouts of `prompt_ids` with `weights` loaded first (None = whatever the workers hold). With
+    `env.name` set, `rows` (one per prompt) go to the environments and the rollouts are multi-turn."""
     with run.weights.holding(weights):
-        return run.cluster.generate(prompt_ids, seeds, decode)
+        return run.cluster.generate(prompt_ids, seeds, decode, rows if run.cfg.env.multi_turn else None)
+
+
+def agent_metrics(samples: list[RolloutSample], prefix: str = "") -> dict[str, float]:
+    """`agent/*` metrics of the multi-turn samples (`rollout.trajectory.summarize`: turns, tool calls, tool
+    errors and latency, share of environment tokens, stop reasons), `prefix` prepended; {} without any."""
+    trajs = [Trajectory.from_dict(s.trajectory) for s in samples if s.trajectory is not None]
+    return {prefix + k: float(v) for k, v in summarize(trajs).items()}
 
 
 def collect(run: RLRun, step: int, weights: Optional[Weights] = None) -> StepRecord:
@@ -58,7 +67,10 @@ def collect(run: RLRun, step: int, weights: Optional[Weights] = None) -> StepRec
         # seeds continue the sample index across rounds, so round 0 is the run without dynamic sampling
         seeds = [derive_seed(cfg.trainer.seed, step, len(prompt_ids) + i) for i in range(len(new_ids))]
         with timed(times, "rollout"):
-            new_samples = generate(run, new_ids, seeds, weights=weights)
+            sample_rows = [new_rows[i // G] for i in range(len(new_ids))]
+            new_samples = generate(run, new_ids, seeds, weights=weights, rows=sample_rows)
+        # a multi-turn sample's prompt is what it decoded after (the environment's first observation included)
+        new_ids = [p if s.prompt_ids is None else s.prompt_ids for p, s in zip(new_ids, new_samples)]
         with timed(times, "reward"):
             results += run.cluster.score([reward_input(new_rows[i // G], s.text, cfg.data.prompt_field, s)
                                           for i, s in enumerate(new_samples)])
@@ -74,7 +86,10 @@ def collect(run: RLRun, step: int, weights: Optional[Weights] = None) -> StepRec
     metrics["reward/timeouts"] = float(sum(bool(r.get("timeout")) for r in results))
     metrics["reward/errors"] = float(sum(bool(r.get("error")) for r in results))
     max_new = int(cfg.rollout.decode.get("max_new_tokens", 0) or 0) or max(len(s.token_ids) for s in samples)
+    if cfg.env.multi_turn:
+        max_new = cfg.env.turns.max_total_tokens
     metrics.update(rollout_metrics(samples, max_new, times["timing_s/rollout"]))
+    metrics.update(agent_metrics(samples))
 
     keep = torch.ones(len(samples), dtype=torch.bool)
     if cfg.trainer.filter_zero_std:
@@ -96,7 +111,10 @@ def learn(run: RLRun, record: StepRecord) -> dict[str, float]:
     batch = build_learner_batch([record.prompt_ids[i] for i in idx], [s[i].token_ids for i in idx],
                                 record.advantages[record.keep], record.group_ids[record.keep], pad_id=run.eos_id,
                                 tail_ids=[s[i].tail_ids for i in idx], weight_version=[s[i].weights_version for i in idx],
-                                lev_drafts=[s[i].lev_drafts for i in idx])
+                                lev_drafts=[s[i].lev_drafts for i in idx],
+                                turns=[None if s[i].trajectory is None else
+                                       (s[i].trajectory["generated"], s[i].trajectory["segment"]) for i in idx],
+                                block_size=run.block_size)
     t0 = time.perf_counter()
     metrics = run.cluster.learner.update(batch)
     metrics["perf/train_tokens_per_s"] = int(batch.input_ids.numel()) / max(time.perf_counter() - t0, 1e-9)
@@ -115,6 +133,13 @@ def finish(run: RLRun, record: StepRecord, metrics: dict[str, float], t_step: fl
              for i in range(0, len(samples), every)]
     run.tracker.log_table("samples", ["prompt", "completion", "reward", "tpf"], table[: cfg.trainer.samples_per_step],
                           record.step)
+    if cfg.env.multi_turn:  # the turns, tool calls and results of the same samples
+        shown = list(range(0, len(samples), every))[: cfg.trainer.samples_per_step]
+        run.tracker.log_table("trajectories", ["prompt", "trajectory", "reward", "turns", "tool_calls", "stop"],
+                              [[record.rows[i // G][cfg.data.prompt_field], trajectory_text(samples[i].trajectory),
+                                float(record.scores[i]), len(samples[i].trajectory["turns"]),
+                                sum(len(t["tool_calls"]) for t in samples[i].trajectory["turns"]),
+                                samples[i].trajectory["stop"]] for i in shown], record.step)
     return out
 
 
@@ -137,7 +162,7 @@ def evaluate(run: RLRun, weights: Optional[Weights] = None) -> dict[str, float]:
     cfg = run.cfg
     decode = {"preset": cfg.rollout.eval_preset, **cfg.rollout.eval_decode}
     prompts = [run.prompts.encode(r) for r in run.eval_rows]
-    outs = generate(run, prompts, [0] * len(prompts), decode, weights=weights)
+    outs = generate(run, prompts, [0] * len(prompts), decode, weights=weights, rows=run.eval_rows)
     results = run.cluster.score([reward_input(r, o.text, cfg.data.prompt_field, o) for r, o in zip(run.eval_rows, outs)])
     per_task: dict[str, list[float]] = {}
     for row, res in zip(run.eval_rows, results):
@@ -145,6 +170,10 @@ def evaluate(run: RLRun, weights: Optional[Weights] = None) -> dict[str, float]:
     m = {f"eval/{t}/accuracy": sum(v) / len(v) for t, v in per_task.items()}
     every = [x for v in per_task.values() for x in v]
     m["eval/accuracy"] = sum(every) / len(every)
+    if cfg.env.multi_turn:  # the model's tokens per forward; no reference responses to grade edits against
+        m["eval/tpf"] = sum(o.tpf * o.num_forwards for o in outs) / max(sum(o.num_forwards for o in outs), 1)
+        m.update(agent_metrics(outs, "eval/"))
+        return m
     m["eval/tpf"] = sum(len(o.token_ids) for o in outs) / max(sum(o.num_forwards for o in outs), 1)
     m["eval/edits_per_seq"] = sum(o.num_edits for o in outs) / len(outs)
     # edit precision of the decoder's rewrites against the rows' correct responses (rollout/edits.py)
