@@ -229,6 +229,9 @@ def _run_one(test, spec):
                             "stdin": spec["stdin"]}, "stdio")
         if out.get("status") != "ok":
             return False, str(out.get("status"))[:40]
+        if spec.get("capture"):  # a tool call: its stdout is the value (text, cut to the spec's bound)
+            test.captured = out["stdout"][: int(spec["capture"])] if type(out.get("stdout")) is str else ""
+            return out.get("exit") == 0, "ok" if out.get("exit") == 0 else "nonzero_exit"
         if out.get("exit") != 0:
             return False, "nonzero_exit"
         ok = _normalize_output(out["stdout"]) == _normalize_output(spec["expected"])
@@ -302,7 +305,10 @@ def judge_sample(job, chan, out):
             ok, why = _verdict(test, dict(spec, i=i, budget=budget))
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-        out.sendall(json.dumps({"i": i, "ok": bool(ok), "why": str(why)[:60]}).encode() + b"\n")
+        verdict = {"i": i, "ok": bool(ok), "why": str(why)[:60]}
+        if spec.get("capture"):  # text only, bounded: the one value that leaves for a sandboxed tool
+            verdict["out"] = str(getattr(test, "captured", ""))[: int(spec["capture"])]
+        out.sendall(json.dumps(verdict).encode() + b"\n")
     try:
         ch.send({"op": "bye"})  # the next start, or bye, ends the test before it
     except OSError:

@@ -289,6 +289,7 @@ class _Session:
     def __init__(self, proc: subprocess.Popen, job: bytes, limits: Limits, n_tests: int, verdicts):
         self.proc, self.pending, self.limits, self.vsock = proc, job, limits, verdicts
         self.verdicts: list = [None] * n_tests
+        self.outputs: list = [""] * n_tests  # captured stdout of `capture` tests (text, bounded by the judge)
         self.records: list = [None] * n_tests
         self.ready, self.done, self.judged, self.current, self.reason = None, False, False, None, ""
         self.judge_pidfd, self.v_closed, self.vbuf = None, False, bytearray()
@@ -331,6 +332,8 @@ class _Session:
                 pass
         elif isinstance(obj.get("i"), int) and 0 <= obj["i"] < len(self.verdicts):
             self.verdicts[obj["i"]] = (bool(obj["ok"]), str(obj["why"]))
+            if type(obj.get("out")) is str:
+                self.outputs[obj["i"]] = obj["out"]
             self.test_end = time.monotonic() + TEST_GRACE_S
         elif obj.get("done"):
             self.judged = True
@@ -463,10 +466,14 @@ def _subreaper_once() -> bool:
     return True
 
 
-def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo) -> list[tuple[bool, str]]:
+def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo,
+              outputs: list | None = None) -> list[tuple[bool, str]]:
     """Run ``code`` in the sandbox against judge ``tests`` (``{"kind": "call", "src", "names"}`` or
     ``{"kind": "stdio", "stdin", "expected"}``, see _judge.py); return one ``(passed, why)`` per test.
-    Raises SandboxError on infrastructure failures (the sandbox did not start)."""
+    A ``{"kind": "stdio", "stdin", "capture": N}`` test passes when the program exits 0, and its stdout, as
+    text cut to N characters by the judge, is appended to ``outputs`` (one string per test; the only value
+    that leaves the sandbox, for tools of `rewards.envs`). Raises SandboxError on infrastructure failures
+    (the sandbox did not start)."""
     ns_mode = info.mode in ("bwrap", "unshare")
     harness = harness_code(info.python)  # before anything starts: a failure here leaves nothing behind
     chan, verdicts = judge_proc.open_sample({
@@ -513,4 +520,6 @@ def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo) -
     if session.ready is None:
         raise SandboxError(f"sandbox ({info.mode}) did not start: rc={proc.returncode} {session.reason} "
                            f"stderr={session.stderr.decode('utf-8', 'replace')[-300:]!r}")
+    if outputs is not None:
+        outputs.extend(session.outputs)
     return session.verdicts

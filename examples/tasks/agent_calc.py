@@ -79,7 +79,7 @@ PHRASES = ("Compute {a}*{b}.", "What is {a} times {b}?")
 
 def generate(out: str | Path, seed: int = 0, n_train: int = 6000, n_eval: int = 200,
              mix: tuple[float, float, float] = (0.7, 0.15, 0.15),
-             mix_words: tuple[float, float, float] = (0.25, 0.15, 0.6)) -> None:
+             mix_words: tuple[float, float, float] = (0.4, 0.15, 0.45)) -> None:
     """Write agent_train.jsonl and agent_eval.jsonl under `out` (byte-identical for a seed).
 
     Half the questions are phrased `Compute a*b.` (styles good / bad / none drawn with `mix`), half `What is a
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-eval", type=int, default=200)
     ap.add_argument("--mix", default="0.7,0.15,0.15",
                     help="`Compute a*b.` questions: fractions of good, bad and no-tool trajectories")
-    ap.add_argument("--mix-words", default="0.25,0.15,0.6",
+    ap.add_argument("--mix-words", default="0.4,0.15,0.45",
                     help="`What is a times b?` questions: fractions of good, bad and no-tool trajectories")
     a = ap.parse_args(argv)
     generate(a.out, a.seed, a.n_train, a.n_eval, tuple(float(x) for x in a.mix.split(",")),

@@ -17,9 +17,12 @@ Isolation and limits, per tool (`Tool.isolation`):
   * "thread" (default): the function runs in a worker thread; past `timeout_s` the call is an error
     observation and the thread is abandoned (it cannot be killed: use "process" for tools that may hang);
   * "process": a forked child runs the call and is killed at `timeout_s`; a crash (signal, exit) is an error;
-  * "sandbox": refused for now. It ran the function's source in `rewards.sandbox`; since that sandbox
-    judges in a separate process and returns verdicts only (docs/rewards.md, the trust boundary), a
-    tool's return value has no way back out yet. Use "process" (killed at `timeout_s`) meanwhile.
+  * "sandbox": for tools that run untrusted input (model-written code): the function's source and the call
+    run as a program in `rewards.sandbox` (no network, no host files, rlimits; killed at `timeout_s`). What
+    comes back is text only: everything the call printed, then its return value (`print`ed) when not None,
+    cut to `max_chars` by the judge process (the one value that crosses the sandbox's trust boundary,
+    docs/rewards.md). The function must be self-contained (its imports inside it); a call that raises or
+    exits non-zero is an error.
 A tool that hangs, crashes, raises or returns something unprintable becomes an error observation
 (`error: ...`), recorded in `info["tool_calls"]`; the environment never raises.
 """
@@ -70,10 +73,6 @@ class Tool:
     def __post_init__(self) -> None:
         if self.isolation not in ISOLATIONS:
             raise ValueError(f"Tool.isolation: choose one of {ISOLATIONS}, got {self.isolation!r}")
-        if self.isolation == "sandbox":
-            raise ValueError("Tool.isolation: 'sandbox' is not available yet (the code-reward sandbox returns "
-                             "verdicts, not values); use 'process', which runs the call in a forked child "
-                             "killed at timeout_s")
         if self.spec is None:
             self.spec = spec_from_function(self.fn)
         if "function" not in self.spec or "name" not in self.spec["function"]:
@@ -164,30 +163,30 @@ def _run_process(tool: Tool, args: dict) -> tuple[str, Any]:
         recv.close()
 
 
+def sandbox_program(tool: Tool, args: dict) -> str:
+    """The program a "sandbox" tool call runs: the function's source, then the call with `args` (read back
+    from a JSON string literal, never formatted into code) and its return value printed when not None."""
+    src = inspect.getsource(tool.fn)
+    name = tool.fn.__name__
+    return (f"{src}\n\nimport json as _json\n_value = {name}(**_json.loads({json.dumps(json.dumps(args))}))\n"
+            "if _value is not None:\n    print(_value)\n")
+
+
 def _run_sandbox(tool: Tool, args: dict, mode: str) -> tuple[str, Any]:
-    from rewards.code_tests import decode
     from rewards.sandbox import Limits, SandboxError, resolve_mode, run_tests
 
-    src = inspect.getsource(tool.fn)
-    expr = f"{tool.name}(**{json.dumps(args)})"
     limits = Limits(test_timeout_s=tool.timeout_s, total_timeout_s=tool.timeout_s + 5.0)
+    outputs: list = []
     try:
-        rec = run_tests(src, [{"kind": "probe", "exprs": [[expr, ["dict", "True", "False", "None"]]]}], limits,
-                        resolve_mode(mode))[0]
+        ok, why = run_tests(sandbox_program(tool, args), [{"kind": "stdio", "stdin": "", "capture": tool.max_chars}],
+                            limits, resolve_mode(mode), outputs)[0]
     except SandboxError as e:
         return "error", f"sandbox failure: {str(e)[:120]}"
-    if not isinstance(rec, dict):
-        return "error", "tool crashed (no record)"
-    if rec.get("status") != "ok":
-        status = str(rec.get("status"))
-        return ("timeout" if "timeout" in status else "error"), f"tool {status[:40]}"
-    try:
-        payload = json.loads(rec.get("payload") or "")
-        if "error" in payload:
-            return "error", f"tool raised {str(payload['error'])[:80]}"
-        return "ok", decode(payload["values"][0])
-    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
-        return "error", "tool returned an unreadable value"
+    if ok:
+        return "ok", outputs[0].rstrip("\n")
+    if why == "timeout":
+        return "timeout", f"tool timed out after {tool.timeout_s:g} s"
+    return "error", f"tool failed in the sandbox ({why})"
 
 
 def run_tool(tool: Tool, args: dict, sandbox_mode: str = "auto") -> dict:
@@ -266,9 +265,11 @@ class ToolEnv(Environment):
                     rec = {"name": tool.name, "arguments": call["arguments"], "ok": False, "timeout": False,
                            "latency_s": 0.0, "error": why, "result": f"error: {why}", "invalid": True}
                 else:
+                    t0 = time.monotonic()
                     if self.latency_s:
                         time.sleep(self.latency_s)
                     rec = dict(run_tool(tool, call["arguments"], self.sandbox_mode), invalid=False)
+                    rec["latency_s"] = time.monotonic() - t0  # the stand-in latency is part of the call's time
             records.append(rec)
             texts.append(rec["result"])
         done = self.turns >= self.max_turns

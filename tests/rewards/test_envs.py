@@ -92,9 +92,33 @@ def loop_forever(n: int) -> int:
         pass
 
 
-def test_sandbox_isolation_is_refused_until_values_can_leave_the_judged_sandbox():
-    with pytest.raises(ValueError, match="'sandbox' is not available yet"):
-        Tool(square, isolation="sandbox", timeout_s=3)
+def run_python(code: str) -> None:
+    """Run model-written Python; what it prints is the observation."""
+    exec(code, {"__name__": "__tool__"})
+
+
+def raise_value(n: int) -> int:
+    raise ValueError("no")
+
+
+def test_sandbox_tools_return_text_and_fail_cleanly():
+    """Sandboxed tools: the value comes back as text (printed output, then the return value), bounded by
+    max_chars; a call that hangs is killed at its timeout, one that raises is an error; none raises here."""
+    from rewards.envs.tools import run_tool
+
+    rec = run_tool(Tool(square, isolation="sandbox", timeout_s=5), {"n": 12})
+    assert rec["ok"] and rec["result"] == "144", rec
+    rec = run_tool(Tool(run_python, isolation="sandbox", timeout_s=5, max_chars=30),
+                   {"code": "import os\nprint(sum(range(10)))\nprint('x' * 100)"})
+    assert rec["ok"] and rec["result"].startswith("45\nxxx") and len(rec["result"]) <= 30, rec
+    rec = run_tool(Tool(run_python, isolation="sandbox", timeout_s=1), {"code": "while True: pass"})
+    assert not rec["ok"] and rec["timeout"] and rec["latency_s"] < 10, rec
+    rec = run_tool(Tool(raise_value, isolation="sandbox", timeout_s=5), {"n": 1})
+    assert not rec["ok"] and "nonzero_exit" in rec["error"], rec
+    # the arguments are data, never code: quotes, backslashes and newlines reach the function verbatim
+    code = 'print("it\'s \\"quoted\\" \\\\ done")'
+    rec = run_tool(Tool(run_python, isolation="sandbox", timeout_s=5), {"code": code})
+    assert rec["ok"] and rec["result"] == 'it\'s "quoted" \\ done', rec
 
 
 def test_calculator_and_loader(tmp_path):
