@@ -7,7 +7,7 @@
 
     ebpo bench agent                                    # both; decoding: 8 sequences, 3 turns, tools 0.2-0.6 s
     ebpo bench agent --skip-rl --batch 16 --latency 1.0 # decoding only
-    ebpo bench agent --skip-decode --rl-latency 1.0     # RL only
+    ebpo bench agent --skip-decode --rl-latency 4.0     # RL only, tools taking 4 s per call
     ebpo bench agent --json docs/bench/agent_cpu.json
 
 The environment is scripted (`LatencyEnv`): every turn is answered after a wall-clock latency that differs
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--skip-decode", action="store_true", help="leave out the decoding comparison")
     p.add_argument("--skip-rl", action="store_true", help="leave out the RL step comparison (max_staleness 0 vs 1)")
     p.add_argument("--rl-recipe", default="recipes/quickstart_agent.yaml", help="agent recipe of the RL comparison")
-    p.add_argument("--rl-latency", type=float, default=1.0, help="seconds every tool call takes in the RL comparison")
+    p.add_argument("--rl-latency", type=float, default=8.0, help="seconds every tool call takes in the RL comparison (default 8: the tools, not the 2 cores, decide the rollout time)")
     p.add_argument("--rl-steps", type=int, default=5, help="RL steps per run (the first is left out)")
     p.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra recipe override of both RL runs (repeatable)")
