@@ -79,7 +79,10 @@ def levenshtein_block_step(tok, prob, eprob, cur, protected, mask_id: int, cfg) 
     cur, protected (B, K) as in `block_step`; cfg: the `DecodeConfig` (tau_mask, tau_edit, num_to_transfer,
     tau_delete, tau_insert, max_lev_edits).
     """
-    dele, ins = edit_sets(eprob, protected, cfg.tau_delete, cfg.tau_insert, cfg.max_lev_edits)
+    # DELETE / INSERT act on written tokens only: deleting a [MASK] (or opening a slot before one) changes no
+    # content, only shifts the block, and would spend the round's operations on nothing
+    unwritten = (cur == mask_id) & ~protected
+    dele, ins = edit_sets(eprob, protected | unwritten, cfg.tau_delete, cfg.tau_insert, cfg.max_lev_edits)
     base = block_step(tok, prob, cur, protected | dele | ins, mask_id, cfg.tau_mask, cfg.tau_edit,
                       cfg.num_to_transfer)
     ops = torch.where(dele, DEL, torch.where(ins, INS, torch.where(base.m2t | base.t2t, SUB, KEEP)))

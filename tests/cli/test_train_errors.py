@@ -82,3 +82,17 @@ def test_reward_errors_are_one_line(tmp_path, capsys, fn, needle):
     assert rc == 2 and needle in _one_line(err)
     assert not (tmp_path / "r").exists()
     shutil.rmtree(tmp_path / "r", ignore_errors=True)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("env.name=nope", "unknown environment 'nope'"),
+    ("env.kwargs={bogus: 1}", "unexpected keyword argument 'bogus'"),
+    ("rollout.decode={mbe_window: 2}", "rollout.decode.mbe_window"),
+])
+def test_a_bad_environment_stops_before_anything_is_written(tmp_path, capsys, override, expected):
+    run = tmp_path / "agent"
+    rc = main([str(ROOT / "recipes" / "quickstart_agent.yaml"), "trainer.tracking=none", "trainer.progress=false",
+               f"trainer.run_dir={run}", override])
+    err = capsys.readouterr().err
+    assert rc == 2 and expected in _one_line(err)
+    assert not run.exists()

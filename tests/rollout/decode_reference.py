@@ -67,6 +67,8 @@ def reference_decode(model, prompt, K, M, tau_mask, tau_edit, max_post_steps=16,
             if lev:
                 want = []
                 for i in range(max(lo, P), hi):
+                    if x[i] == mask_id:  # only written tokens are deleted or get a slot before them
+                        continue
                     pd, pi = eprob[i]
                     if on_d and pd > tau_delete and pd >= (pi if on_i else -1.0):
                         want.append((-pd, i, "del"))

@@ -11,7 +11,7 @@ from rollout import DecodeConfig, generate
 PROMPTS = [[0, 11], [0] + list(range(20, 27)), [0] + list(range(30, 42)), [0] + list(range(50, 65))]
 
 
-def _lev_model(boost=6.0):
+def _lev_model(boost=10.0):
     """A random tiny model whose DELETE / INSERT logits are raised, so that both operations fire."""
     model = make_model(seed=1)
     with torch.no_grad():
@@ -93,7 +93,7 @@ def test_sampling_with_shifts_is_batch_independent_and_cache_exact(lev_model):
 
 def test_show_events_carry_the_operations(lev_model):
     events = []
-    generate(lev_model, PROMPTS[:2], DecodeConfig.preset("quality", max_new_tokens=16, tau_delete=0.2, tau_insert=0.2),
+    generate(lev_model, PROMPTS, DecodeConfig.preset("quality", max_new_tokens=19, tau_delete=0.15, tau_insert=0.15),
              on_step=events.append)
     assert any(ev.deleted for ev in events) or any(ev.inserted for ev in events)
     from rollout.show import CanvasView
