@@ -67,12 +67,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--turns", type=int, default=3, help="model turns per sequence (each followed by a tool call)")
     p.add_argument("--latency", type=float, default=0.4, help="mean tool latency in seconds")
     p.add_argument("--turn-tokens", type=int, default=32, help="max tokens per turn")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is for decoding; 1 per actor for RL, so that the rollout worker and the learner of the asynchronous run do not oversubscribe 2 cores)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (0: leave as is for decoding; 1 per actor for RL, so that the rollout worker "
+                        "and the learner of the asynchronous run do not oversubscribe 2 cores)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--skip-decode", action="store_true", help="leave out the decoding comparison")
     p.add_argument("--skip-rl", action="store_true", help="leave out the RL step comparison (max_staleness 0 vs 1)")
     p.add_argument("--rl-recipe", default="recipes/quickstart_agent.yaml", help="agent recipe of the RL comparison")
-    p.add_argument("--rl-latency", type=float, default=8.0, help="seconds every tool call takes in the RL comparison (default 8: the tools, not the 2 cores, decide the rollout time)")
+    p.add_argument("--rl-latency", type=float, default=8.0,
+                   help="seconds every tool call takes in the RL comparison (default 8: the tools, not the 2 cores, "
+                        "decide the rollout time)")
     p.add_argument("--rl-steps", type=int, default=5, help="RL steps per run (the first is left out)")
     p.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra recipe override of both RL runs (repeatable)")
