@@ -301,3 +301,24 @@ def start_episodes(envs: list, rows: list[dict], prompts: list[list[int]], token
         extra = tokenizer(template.format(observation=obs), add_special_tokens=False)["input_ids"] if obs else []
         out.append(list(p) + extra)
     return out
+
+
+def run_episodes(model, prompts: list[list[int]], rows: list[dict], env_factory, config: DecodeConfig | None = None,
+                 mt: MultiTurnConfig | None = None, *, tokenizer, seeds: list[int] | None = None) -> list[Trajectory]:
+    """One batch of episodes: a fresh environment per prompt from `env_factory()`, reset with its row and seed
+    (`start_episodes`), decoded (`generate_multiturn`), then closed (a failing `close` is ignored: it must
+    not lose the batch). prompts: token-id lists, one per row; seeds: one per prompt (also the sampling
+    seeds when config.temperature > 0)."""
+    mt = mt or MultiTurnConfig()
+    envs = [env_factory() for _ in prompts]
+    try:
+        starts = start_episodes(envs, rows, prompts, tokenizer, seeds, mt.observation_template)
+        return generate_multiturn(model, starts, envs, config, mt, tokenizer=tokenizer, seeds=seeds)
+    finally:
+        for env in envs:
+            close = getattr(env, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:  # noqa: BLE001
+                    pass

@@ -82,25 +82,14 @@ class RolloutWorker:
         """Multi-turn rollouts: one fresh environment per prompt, reset with its row and seed, then
         `generate_multiturn`; the sample's response is everything after the prompt (turns and observations),
         its text the last turn's (what a reward judges as the final answer)."""
-        from .multiturn import MultiTurnConfig, generate_multiturn, start_episodes
+        from .multiturn import MultiTurnConfig, run_episodes
 
         if self.env_factory is None:
             raise ValueError("RolloutWorker.generate: rows given (multi-turn) but the worker has no env_factory")
         if len(rows) != len(prompt_ids):
             raise ValueError(f"RolloutWorker.generate: one row per prompt ({len(prompt_ids)}), got {len(rows)}")
-        mt = MultiTurnConfig(**self.multiturn)
-        envs = [self.env_factory() for _ in prompt_ids]
-        try:
-            prompts = start_episodes(envs, rows, prompt_ids, self.tokenizer, seeds, mt.observation_template)
-            trajs = generate_multiturn(self.model, prompts, envs, config, mt, tokenizer=self.tokenizer, seeds=seeds)
-        finally:
-            for env in envs:
-                close = getattr(env, "close", None)
-                if callable(close):
-                    try:
-                        close()
-                    except Exception:  # noqa: BLE001 (a failing close must not lose the batch)
-                        pass
+        trajs = run_episodes(self.model, prompt_ids, rows, self.env_factory, config, MultiTurnConfig(**self.multiturn),
+                             tokenizer=self.tokenizer, seeds=seeds)
         out = []
         for t in trajs:
             response = t.ids[len(t.prompt_ids):]

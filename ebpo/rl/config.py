@@ -244,8 +244,8 @@ class RLConfig:
                                         ("rollout.eval_decode", self.rollout.eval_preset, self.rollout.eval_decode)):
             d = DecodeConfig.preset(preset, **decode)
             for key, on in (("mbe_window", d.mbe_window > 0), ("compiled_step", d.compiled_step),
-                            ("tau_delete", d.levenshtein and d.tau_delete is not None),
-                            ("tau_insert", d.levenshtein and d.tau_insert is not None)):
+                            ("tau_delete", d.tau_delete is not None and d.tau_delete >= 0),
+                            ("tau_insert", d.tau_insert is not None and d.tau_insert >= 0)):
                 if on:
                     raise ConfigError(f"{section}.{key} = {getattr(d, key)!r}: not available with env.name = "
                                       f"{self.env.name!r} (multi-turn rollouts decode each block with the plain "

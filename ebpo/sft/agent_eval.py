@@ -1,8 +1,8 @@
 """Held-out success of a model on a multi-turn (agentic) task: `ebpo eval --env calculator --data ...`.
 
-Each row is decoded with `rollout.multiturn.generate_multiturn` against a fresh environment built by
-`rewards.envs.make_environment(env, env_kwargs)`; success is the share of trajectories whose environment
-reward (`task_completion`) is positive. The RL trainer's evaluation will call the same function (phase 2).
+Each row is decoded with `rollout.multiturn.run_episodes` (as the RL rollout workers decode) against a fresh
+environment built by `rewards.envs.make_environment(env, env_kwargs)`; success is the share of trajectories
+whose environment reward (`task_completion`) is positive.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def evaluate_agent(model, tokenizer, rows: list[dict], env: str = "calculator", 
     fields. Returns an `AgentEval`."""
     from rewards.envs import make_environment
     from rollout.config import DecodeConfig
-    from rollout.multiturn import MultiTurnConfig, generate_multiturn, start_episodes
+    from rollout.multiturn import MultiTurnConfig, run_episodes
     from rollout.trajectory import summarize
 
     from ebpo.infra.data import encode_prompt
@@ -41,14 +41,9 @@ def evaluate_agent(model, tokenizer, rows: list[dict], env: str = "calculator", 
     trajs = []
     for lo in range(0, len(rows), batch_size):
         part = rows[lo:lo + batch_size]
-        envs = [make_environment(env, env_kwargs) for _ in part]
-        seeds = [seed + lo + i for i in range(len(part))]
-        prompts = start_episodes(envs, part, [encode_prompt(tokenizer, r["prompt"]) for r in part], tokenizer, seeds,
-                                 mt.observation_template)
-        trajs += generate_multiturn(model, prompts, envs, cfg, mt, tokenizer=tokenizer,
-                                    seeds=seeds if temperature > 0 else None)
-        for e in envs:
-            getattr(e, "close", lambda: None)()
+        seeds = [seed + lo + i for i in range(len(part))]  # sampling seeds only matter when temperature > 0
+        trajs += run_episodes(model, [encode_prompt(tokenizer, r["prompt"]) for r in part], part,
+                              lambda: make_environment(env, env_kwargs), cfg, mt, tokenizer=tokenizer, seeds=seeds)
     solved = [float(t.env_reward > 0 and not t.failed) for t in trajs]
     samples = [dict(prompt=r["prompt"], answer=r.get("answer"), solved=s, **t.to_dict())
                for r, s, t in list(zip(rows, solved, trajs))[:keep_samples]]
