@@ -58,6 +58,10 @@ def single_cases():
                 out.append((f"{preset}-t{temp:g}-mbe{mbe}", "rand", dict(preset=preset, temperature=temp,
                                                                        mbe_window=mbe, max_new_tokens=40)))
     out += [
+        ("speed-mbe-low-tau", "rand", dict(preset="speed", mbe_window=2, mbe_tau=0.2, max_new_tokens=40)),
+        ("quality-t1-mbe-low-tau", "rand", dict(preset="quality", temperature=1.0, mbe_window=1, mbe_tau=0.3,
+                                                mbe_max_passes=3, max_new_tokens=40)),
+        ("mbe-nocache", "rand", dict(preset="quality", mbe_window=2, mbe_tau=0.3, use_cache=False, max_new_tokens=24)),
         ("quality-penalty-topk", "rand", dict(preset="quality", temperature=0.8, top_k=20, top_p=0.9,
                                               repetition_penalty=3.0, max_new_tokens=40)),
         ("speed-nocache", "rand", dict(preset="speed", use_cache=False, max_new_tokens=24)),
