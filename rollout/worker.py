@@ -97,7 +97,9 @@ class RolloutWorker:
             out.append({"token_ids": response, "text": last.text if last else "", "num_forwards": t.num_forwards,
                         "tpf": t.num_generated / max(t.num_forwards, 1), "num_edits": 0,
                         "finished_by_eos": bool(last and last.finished_by == "eos"),
-                        "weights_version": self.version, "trajectory": t.to_dict()})
+                        "weights_version": self.version, "trajectory": t.to_dict(),
+                        # L-EBPO's pre-edit blocks, offsets from the end of the trajectory's prompt_ids
+                        "lev_drafts": [[off, list(d)] for off, d in getattr(t, "lev_drafts", [])]})
         return out
 
     def load_weights(self, state_dict, version: int) -> float:

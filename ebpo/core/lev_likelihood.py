@@ -30,12 +30,18 @@ from ebpo.core.levenshtein import KEEP, label_ids, lcs_labels
 from ebpo.core.likelihood import NoiseDraws
 
 
-def drafts_from_rollouts(input_ids: torch.Tensor, prompt_lens: torch.Tensor, lev_drafts: list, block_size: int
-                         ) -> torch.Tensor:
+def drafts_from_rollouts(input_ids: torch.Tensor, prompt_lens: torch.Tensor, lev_drafts: list, block_size: int,
+                         response_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B, L) long: `input_ids` with each recorded pre-edit block laid over its block.
 
     lev_drafts[i]: the rollout's `lev_drafts`, a list of (block start offset from the prompt's end, K tokens),
-    the start possibly negative (the prompt's tail shares the block); blocks past L are ignored.
+    the start possibly negative (the prompt's tail shares the block); blocks past L are ignored. A multi-turn
+    row's offsets count from the end of its first prompt (`Trajectory.prompt_ids`, the learner's prompt_lens),
+    so a later turn's block lies after observations; its first block may start inside the observation before it.
+
+    response_mask (B, L) bool (optional, the scored positions): the context that opens a block (prompt tail,
+    observation tail) is never written or moved by the decoder, so a draft must hold it unchanged; one that does
+    not raises ValueError (a draft recorded at the wrong offset would otherwise turn context into edit labels).
     """
     out = input_ids.clone()
     B, L = out.shape
@@ -44,7 +50,13 @@ def drafts_from_rollouts(input_ids: torch.Tensor, prompt_lens: torch.Tensor, lev
             lo = int(prompt_lens[i]) + int(start)
             if lo < 0 or lo + block_size > L:
                 continue
-            out[i, lo:lo + block_size] = torch.as_tensor(toks, dtype=out.dtype)
+            draft = torch.as_tensor(toks, dtype=out.dtype)
+            if response_mask is not None and bool(response_mask[i, lo:lo + block_size].any()):
+                ctx = int(response_mask[i, lo:lo + block_size].to(torch.uint8).argmax())  # context prefix length
+                if not torch.equal(draft[:ctx], out[i, lo:lo + ctx]):
+                    raise ValueError(f"lev_drafts: row {i}, block at offset {int(start)}: the draft changes the "
+                                     f"{ctx} context token(s) that open the block")
+            out[i, lo:lo + block_size] = draft
     return out
 
 
@@ -103,7 +115,8 @@ def learner_draws(noise: NoiseDraws, input_ids: torch.Tensor, response_mask: tor
     B, L = input_ids.shape
     drafts = None
     if lev_drafts is not None:
-        drafts = drafts_from_rollouts(input_ids.cpu(), torch.as_tensor(prompt_lens), lev_drafts, K)
+        drafts = drafts_from_rollouts(input_ids.cpu(), torch.as_tensor(prompt_lens), lev_drafts, K,
+                                      response_mask.cpu().bool())
     pad = -L % K
     if pad:
         def widen(x, fill):

@@ -230,29 +230,10 @@ class RLConfig:
             lc.validate()  # again: max_staleness and total_steps were set above
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        if self.env.multi_turn:
-            self._check_multi_turn()
         if tc.max_staleness > 0 and self.ray.weight_sync != "object_store":
             raise ConfigError(f"trainer.max_staleness = {tc.max_staleness} needs ray.weight_sync=object_store "
                               f"(got {self.ray.weight_sync!r}): the rollout workers load older weight versions "
                               "from the object store")
-
-    def _check_multi_turn(self) -> None:
-        """Multi-turn rollouts decode block by block with the plain draft-and-edit step: the single-turn-only
-        decoding features and L-EBPO (whose edit labels assume one response) are refused by name."""
-        for section, preset, decode in (("rollout.decode", self.rollout.preset, self.rollout.decode),
-                                        ("rollout.eval_decode", self.rollout.eval_preset, self.rollout.eval_decode)):
-            d = DecodeConfig.preset(preset, **decode)
-            for key, on in (("mbe_window", d.mbe_window > 0), ("compiled_step", d.compiled_step),
-                            ("tau_delete", d.tau_delete is not None and d.tau_delete >= 0),
-                            ("tau_insert", d.tau_insert is not None and d.tau_insert >= 0)):
-                if on:
-                    raise ConfigError(f"{section}.{key} = {getattr(d, key)!r}: not available with env.name = "
-                                      f"{self.env.name!r} (multi-turn rollouts decode each block with the plain "
-                                      f"draft-and-edit step); remove it or set env.name=null")
-        if self.learner.levenshtein:
-            raise ConfigError(f"learner.levenshtein: L-EBPO scores single-turn responses; not available with "
-                              f"env.name = {self.env.name!r}")
 
     def check_against_model(self, model_block_size: int) -> list[str]:
         """Start-up checks that need the model: returns warnings, raises ConfigError on a block-size mismatch.

@@ -87,7 +87,6 @@ def test_reward_errors_are_one_line(tmp_path, capsys, fn, needle):
 @pytest.mark.parametrize("override, expected", [
     ("env.name=nope", "unknown environment 'nope'"),
     ("env.kwargs={bogus: 1}", "unexpected keyword argument 'bogus'"),
-    ("rollout.decode={mbe_window: 2}", "rollout.decode.mbe_window"),
 ])
 def test_a_bad_environment_stops_before_anything_is_written(tmp_path, capsys, override, expected):
     run = tmp_path / "agent"

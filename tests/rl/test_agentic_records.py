@@ -69,18 +69,15 @@ def test_rollout_sample_checks_its_trajectory():
     assert sample_of(t).prompt_ids == [1, 2]
 
 
-@pytest.mark.parametrize("override, key", [
-    ("rollout.decode={mbe_window: 1}", "rollout.decode.mbe_window"),
-    ("rollout.eval_decode={compiled_step: true}", "rollout.eval_decode.compiled_step"),
-    ("rollout.decode={tau_delete: 0.5}", "rollout.decode.tau_delete"),
-    ("learner.levenshtein=true", "learner.levenshtein"),
-])
-def test_single_turn_only_features_are_refused_with_an_environment(override, key):
+@pytest.mark.parametrize("override", ["rollout.decode={mbe_window: 1}", "rollout.eval_decode={compiled_step: true}",
+                                      "rollout.decode={tau_delete: 0.5, tau_insert: 0.5}", "learner.levenshtein=true"])
+def test_decoding_features_and_l_ebpo_are_accepted_with_an_environment(override):
+    """One rollout engine decodes single- and multi-turn alike, and L-EBPO scores multi-turn rows under the
+    turn-aligned mask (tests/levenshtein/test_lev_multiturn.py): start-up refuses none of them with env.name."""
     from ebpo.infra.config import load_config
 
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config(RLConfig, None, ["env.name=calculator", override])
-    load_config(RLConfig, None, [override.replace("true", "false")] if "levenshtein" in override else [override])
+    cfg = load_config(RLConfig, None, ["env.name=calculator", override])
+    assert cfg.env.multi_turn
 
 
 def test_env_turns_are_typed_and_checked():
