@@ -47,6 +47,8 @@ class DecodeConfig:
         the block is padded with [MASK] at the tail. None or negative = off (the default).
     tau_insert: the same for INSERT: x_i becomes ([MASK], x_i), the block is cut at the tail. None = off.
     max_lev_edits: at most this many DELETE / INSERT operations per block and round (the most confident).
+    max_batch: most sequences that decode at once (0 = all of a call's prompts). A finished sequence's slot
+        takes the next queued prompt at the next forward (continuous batching); tokens never depend on it.
     compiled_step: run each block iteration as one fixed-shape, host-sync-free step compiled with
         `torch.compile(fullgraph=True)` (`rollout.compiled`; same tokens as the eager loop; no MBE, needs
         the cache). Off by default: compiling costs tens of seconds on CPU before the first step.
@@ -69,6 +71,7 @@ class DecodeConfig:
     use_cache: bool = True
     stop_at_eos: bool = True
     compiled_step: bool = False
+    max_batch: int = 0
     tau_delete: float | None = None
     tau_insert: float | None = None
     max_lev_edits: int = 2
@@ -141,6 +144,8 @@ class DecodeConfig:
         for name in ("tau_delete", "tau_insert"):
             if getattr(self, name) is not None and not (is_num(getattr(self, name)) and getattr(self, name) <= 1.0):
                 bad(name, "None (off), a negative number (off) or a number in [0, 1]")
+        if not (is_int(self.max_batch) and self.max_batch >= 0):
+            bad("max_batch", "an integer >= 0 (0 = every prompt of a call at once)")
         if not (is_int(self.max_lev_edits) and self.max_lev_edits >= 1):
             bad("max_lev_edits", "an integer >= 1")
         for name in ("use_cache", "stop_at_eos", "compiled_step"):
@@ -187,7 +192,7 @@ def parse_override(item: str) -> tuple[str, object]:
         return key, low in {"true", "1", "yes"}
     try:
         if key in {"block_size", "max_new_tokens", "max_post_steps", "num_to_transfer", "top_k", "mbe_window",
-                   "mbe_max_passes", "max_lev_edits"}:
+                   "mbe_max_passes", "max_lev_edits", "max_batch"}:
             return key, int(raw)
         return key, float(raw)
     except ValueError:

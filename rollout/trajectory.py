@@ -54,7 +54,12 @@ class Trajectory:
     stop: "done" (the environment ended it), "max_turns", "max_total_tokens", "env_error" or "env_timeout";
     failed: the environment failed (exception, timeout, bad return), counted, never raised;
     env_reward: sum of the environment's step rewards; num_forwards: decoder forwards over all turns;
-    wall_s: from the start of the batch to this trajectory's end.
+    wall_s: from the start of the batch to this trajectory's end;
+    num_edits / num_deletes / num_inserts: tokens rewritten after being visible (T2T, MBE, DELETE, INSERT) and
+    the Levenshtein operations among them, over all turns;
+    lev_drafts: for each block in which a DELETE / INSERT ran, (offset of the block's start from the end of
+    `prompt_ids`, the block's tokens before its first operation): the pre-edit drafts L-EBPO reads, as in
+    `GenerationOutput.lev_drafts`.
     """
 
     prompt_ids: list[int]
@@ -68,6 +73,10 @@ class Trajectory:
     env_reward: float = 0.0
     num_forwards: int = 0
     wall_s: float = 0.0
+    num_edits: int = 0
+    num_deletes: int = 0
+    num_inserts: int = 0
+    lev_drafts: list = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:

@@ -149,6 +149,14 @@ class StaticKVCache:
         return cls(config.num_hidden_layers, batch_size, max_len, config.num_key_value_heads, config.head_dim,
                    dtype=dtype, device=device)
 
+    def row_view(self, row: int) -> "StaticKVCache":
+        """A one-row cache sharing this cache's storage for `row` (writes through it land in this cache)."""
+        view = StaticKVCache.__new__(StaticKVCache)
+        view.k = [k[row:row + 1] for k in self.k]
+        view.v = [v[row:row + 1] for v in self.v]
+        view.max_len, view.write_pos = self.max_len, None
+        return view
+
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatter this forward's keys/values (B, Lq, kv_heads, head_dim) to `write_pos`; return the buffers."""
         idx = self.write_pos[:, :, None, None].expand(-1, -1, k_new.shape[2], k_new.shape[3])

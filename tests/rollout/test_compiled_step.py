@@ -62,12 +62,45 @@ def test_static_step_eos_stop_and_block_sizes(uncompiled):
 
 
 def test_unsupported_settings_are_named(model):
-    with pytest.raises(ValueError, match="Multi-Block Editing"):
-        generate(model, [[5, 6]], DecodeConfig(compiled_step=True, mbe_window=1))
     with pytest.raises(ValueError, match="use_cache"):
         generate(model, [[5, 6]], DecodeConfig(compiled_step=True, use_cache=False))
     with pytest.raises(ValueError, match="on_step"):
         generate(model, [[5, 6]], DecodeConfig(compiled_step=True), on_step=lambda ev: None)
+
+
+def _lev_model():
+    model = make_model(seed=1)
+    with torch.no_grad():
+        w = model.lm_head.weight
+        for tid in (model.config.delete_token_id, model.config.insert_token_id):
+            w[tid] += 10.0 * w.mean(0) / w.mean(0).norm() * w[tid].norm()
+    return model
+
+
+@pytest.mark.parametrize("extra", [dict(mbe_window=2, mbe_tau=0.2), dict(early_commit=0.3),
+                                   dict(mbe_window=1, mbe_tau=0.3, temperature=1.0, max_batch=2)])
+def test_mbe_and_early_commit_run_in_the_compiled_step(model, uncompiled, extra):
+    """MBE passes (eager, over the compiled step's cache refills) and early commit: the eager loop's tokens,
+    counts and traces; with max_batch 2, sequences join freed slots mid-run (prompt blocks refilled)."""
+    cfg = DecodeConfig.preset("speed", max_new_tokens=40, **extra)
+    seeds = list(range(len(PROMPT_LENS)))
+    eager = generate(model, _prompts(), cfg, seeds=seeds)
+    _same(eager, generate(model, _prompts(), cfg.replace(compiled_step=True), seeds=seeds))
+    if "mbe_window" in extra:
+        assert sum(o.num_mbe_edits for o in eager) > 0  # the MBE passes changed tokens (refills exercised)
+
+
+@pytest.mark.parametrize("max_batch", [0, 2])
+def test_levenshtein_runs_in_the_compiled_step(uncompiled, max_batch):
+    """DELETE / INSERT inside the fixed-shape step: the eager loop's tokens, traces, counts and pre-edit drafts."""
+    lev = _lev_model()
+    cfg = DecodeConfig.preset("quality", max_new_tokens=40, tau_delete=0.2, tau_insert=0.2, max_batch=max_batch)
+    eager = generate(lev, _prompts(), cfg)
+    comp = generate(lev, _prompts(), cfg.replace(compiled_step=True))
+    _same(eager, comp)
+    assert sum(o.num_deletes + o.num_inserts for o in eager) > 0
+    for a, b in zip(eager, comp):
+        assert (a.num_deletes, a.num_inserts, a.lev_drafts) == (b.num_deletes, b.num_inserts, b.lev_drafts)
 
 
 def _compile_and_check(model, monkeypatch, backend, trace):

@@ -1,0 +1,342 @@
+"""The rollout engine: one continuous-batching scheduler for every draft-and-edit rollout.
+
+Sequences are submitted to a queue. Each iteration of `Engine.step`:
+  1. takes the answers of environments that have returned (multi-turn) and appends their observations;
+  2. admits queued sequences into free slots (a slot is a row of the canvas and of the prefix KV cache), up to
+     `max_batch` rows;
+  3. runs ONE forward over the rows that are ready (decoding a block, or in a Multi-Block Editing pass);
+  4. applies each row's decisions (`rollout.block_apply`: M2T / T2T, DELETE / INSERT, MBE) and moves each
+     sequence on: next block, MBE window, end of turn (its text goes to `env.step`, the sequence waits),
+     finished (its tokens are copied out and its slot is free for the next queued sequence at once).
+A single-turn rollout is a multi-turn rollout with no environment. A sequence's tokens depend only on its
+prompt, its generator and the weights: sampling draws from its own generator only when it takes part in a
+forward, and the attention of one row never sees another, so neither its neighbours nor its admission time
+change what it decodes (`scripts/decode_baselines.py` checks it against the recorded decoders).
+
+With `DecodeConfig(compiled_step=True)` step 3-4 of the rows decoding a block run as one fixed-shape step
+over all slots (`rollout.compiled`), compiled once; the rest of the loop is the same.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+
+import torch
+
+from ebpo.core.turns import TOOL_CALL_CLOSE, round_up
+from ebpo.model import BlockKVCache
+
+from .block_apply import SlotTensors, apply_block_steps, apply_mbe_pass
+from .env_steps import StepRunner, unpack_step
+from .forward import plan_rows, row_candidates, run_model
+from .sequence import DECODING, FINISHED, MBE, WAITING, Sequence
+from .steps import first_eos
+from .trajectory import TurnRecord
+
+
+def eos_ids_of(config) -> set[int]:
+    """The model config's EOS id(s) as a set (empty when it has none)."""
+    eos = config.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+class Engine:
+    """Continuous-batching draft-and-edit decoding over `max_batch` slots of `canvas_len` positions.
+
+    model: an `LLaDA2MoeModelLM`; cfg: a `DecodeConfig`; mt: a `MultiTurnConfig` when sequences carry an
+    environment (then `tokenizer` is needed to decode turns and encode observations); on_step(StepEvent) after
+    every forward of every sequence; on_turn(seq id, TurnRecord) after every environment step.
+    """
+
+    def __init__(self, model, cfg, *, max_batch: int, canvas_len: int, tokenizer=None, mt=None, on_step=None,
+                 on_turn=None, progress: bool = False):
+        mcfg = model.config
+        self.model, self.cfg, self.mt, self.tokenizer = model, cfg, mt, tokenizer
+        self.K = cfg.block_size or mcfg.block_size
+        self.mask_id, self.eos_ids = int(mcfg.mask_token_id), eos_ids_of(mcfg)
+        self.lev_ids = _lev_ids(cfg, mcfg)
+        self.on_step, self.on_turn, self.progress = on_step, on_turn, progress
+        param = next(model.parameters())
+        self.device, self.T, self.max_batch = param.device, round_up(canvas_len, self.K), max(1, int(max_batch))
+        B, dev = self.max_batch, self.device
+        self.slots = SlotTensors(canvas=torch.full((B, self.T), self.mask_id, dtype=torch.long, device=dev),
+                                 trace=torch.full((B, self.T), -1, dtype=torch.long, device=dev),
+                                 post_steps=torch.zeros(B, dtype=torch.long, device=dev),
+                                 block_iters=torch.zeros(B, dtype=torch.long, device=dev))
+        self.cache = (BlockKVCache.for_model(mcfg, B, self.T, dtype=param.dtype, device=dev)
+                      if cfg.use_cache and not cfg.compiled_step else None)
+        self.static = None  # the compiled step's cache and inputs (rollout.static_slots)
+        if cfg.compiled_step:
+            from .static_slots import StaticSlots
+
+            self.static = StaticSlots(self)
+        self.free = list(range(B))
+        self.queue: deque[Sequence] = deque()
+        self.active: list[Sequence] = []
+        self.sequences: list[Sequence] = []
+        self.runner = StepRunner(mt.max_workers) if mt is not None else None
+        self.t0 = time.monotonic()
+        self.num_forwards = 0  # model calls of block steps and MBE passes (the compiled step counts one each)
+        self.row_forwards = 0  # sum over those calls of the rows that took part
+
+    # ---- the public loop
+    def submit(self, prompt: list[int], generator: torch.Generator | None = None, env=None) -> Sequence:
+        """Queue one sequence (prompt token ids; its own generator when sampling; an environment, already
+        reset, for a multi-turn rollout). Returns its `Sequence`, filled in as it decodes."""
+        s = Sequence(id=len(self.sequences), prompt=[int(t) for t in prompt], generator=generator, env=env)
+        if len(s.prompt) + (self.cfg.max_new_tokens if env is None else 1) > self.T:
+            raise ValueError(f"Engine.submit: a prompt of {len(s.prompt)} tokens does not fit the canvas of "
+                             f"{self.T} positions")
+        self.sequences.append(s)
+        self.queue.append(s)
+        return s
+
+    def run(self) -> list[Sequence]:
+        """Step until every submitted sequence is finished; returns them in submission order."""
+        while self.step():
+            pass
+        if self.progress:
+            print(file=sys.stderr)
+        return self.sequences
+
+    def step(self) -> bool:
+        """One scheduler iteration (module docstring). False when nothing is left to do."""
+        self._poll_environments()
+        self._admit()
+        ready = [s for s in self.active if s.status in (DECODING, MBE)]
+        waiting = [s for s in self.active if s.status == WAITING]
+        if self.mt is not None and not self.mt.continue_ready and waiting:
+            ready = []  # baseline of `ebpo bench agent`: the batch pauses while any sequence waits
+        if not ready:
+            if not waiting:
+                return bool(self.queue)
+            import concurrent.futures
+
+            concurrent.futures.wait([s.future for s in waiting], timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            return True
+        self._forward(ready)
+        if self.progress:
+            done = sum(s.status == FINISHED for s in self.sequences)
+            print(f"\rdecode: {done}/{len(self.sequences)} sequences done, {len(ready)} rows in the last forward",
+                  end="", file=sys.stderr, flush=True)
+        return True
+
+    # ---- admission and the end of a sequence
+    def _admit(self) -> None:
+        while self.queue and self.free:
+            s = self.queue.popleft()
+            s.slot = self.free.pop(0)
+            self._place(s)
+            self.active.append(s)
+            if s.env is not None and s.prompt_len >= self._budget():
+                self._end_trajectory(s, "max_total_tokens")
+
+    def _place(self, s: Sequence) -> None:
+        K, P, r = self.K, s.prompt_len, s.slot
+        self.slots.canvas[r].fill_(self.mask_id)
+        self.slots.canvas[r, :P] = torch.tensor(s.prompt, dtype=torch.long, device=self.device)
+        self.slots.trace[r].fill_(-1)
+        if self.cache is not None:
+            self.cache.truncate([r], [0])
+        s.start = s.length = P
+        s.first_block = P // K
+        if s.env is None:
+            s.num_blocks = -(-(P + self.cfg.max_new_tokens) // K)
+        else:
+            s.num_blocks = self._turn_end_block(P)
+            s.generated, s.segment = [False] * self.T, [0] * P + [-1] * (self.T - P)
+        self._start_block(s, P // K)
+        if self.static is not None:
+            self.static.place(self, s)
+
+    def _start_block(self, s: Sequence, block: int) -> None:
+        s.new_block(block)
+        self.slots.post_steps[s.slot] = 0
+        self.slots.block_iters[s.slot] = 0
+
+    def _release(self, s: Sequence, end: int) -> None:
+        """Copy the sequence's canvas [0, end) and trace out of its slot; free the slot."""
+        s.canvas = self.slots.canvas[s.slot, :end].tolist()
+        s.trace = self.slots.trace[s.slot, :end].tolist()
+        s.status = FINISHED
+        self.active.remove(s)
+        self.free.append(s.slot)
+        self.free.sort()
+
+    # ---- one forward
+    def _forward(self, ready: list[Sequence]) -> None:
+        if self.static is not None:  # the rows decoding a block take the fixed-shape step; MBE rows stay eager
+            from .static_slots import static_forward
+
+            ready = static_forward(self, ready)
+            if not ready:
+                return
+        plan = plan_rows(ready, self.cache, self.K)
+        slots = [s.slot for s in ready]
+        hidden = run_model(self.model, self.slots.canvas, slots, plan, self.cache, self.K, self.mask_id)
+        results = row_candidates(self.model, hidden, self.slots.canvas, slots, plan, [s.generator for s in ready],
+                                 self.cfg, self.mask_id, self.lev_ids)
+        self.num_forwards += 1
+        self.row_forwards += len(ready)
+        events = [] if self.on_step is not None else None
+        commit = [0] * len(ready)
+        block_i = [i for i, s in enumerate(ready) if s.mbe_start is None]
+        if block_i:
+            done, wrote = apply_block_steps(self.slots, [ready[i] for i in block_i], [results[i] for i in block_i],
+                                            self.cfg, self.K, self.mask_id, self.lev_ids, events)
+            for j, i in enumerate(block_i):
+                # commit the blocks before the active one; the active block too when it ended with a step that
+                # wrote nothing (its keys/values were then computed from its final tokens)
+                commit[i] = plan.t_start[i] - plan.q_start[i] + (self.K if done[j] and not wrote[j] else 0)
+                if done[j]:
+                    self.block_ended(ready[i])
+        for i, s in enumerate(ready):
+            if s.mbe_start is not None and i not in block_i:
+                if apply_mbe_pass(self.slots, s, results[i], plan.t_start[i], plan.t_len[i], self.cfg, self.K, events):
+                    self._mbe_over(s)
+        if self.cache is not None:
+            self.cache.commit(commit)  # MBE rows commit 0: their window keys used a non-block-causal mask
+        for ev in events or []:
+            s = self.sequences[ev.seq]
+            ev.canvas = (s.canvas if s.status == FINISHED else
+                         self.slots.canvas[s.slot, : s.num_blocks * self.K].tolist())[: s.num_blocks * self.K]
+            ev.finished = s.status == FINISHED
+            self.on_step(ev)
+
+    # ---- what happens when a block ends
+    def block_ended(self, s: Sequence, eos: bool | None = None) -> None:
+        """The active block of `s` ended: an MBE window if MBE is on and the turn has an earlier block, else
+        `after_block` (eos: whether the generated region holds EOS, when the caller already knows)."""
+        if self.cfg.mbe_window > 0 and s.block > s.first_block:
+            s.mbe_start = max(s.first_block, s.block - self.cfg.mbe_window)
+            s.mbe_passes, s.mbe_first_changed, s.status = 0, None, MBE
+        else:
+            self.after_block(s, eos)
+
+    def _mbe_over(self, s: Sequence) -> None:
+        if self.cache is not None and s.mbe_first_changed is not None:
+            # the edit invalidates the cached keys/values from the earliest edited block on
+            keep_len = min(self.cache.lengths[s.slot], s.mbe_first_changed * self.K)
+            if keep_len < self.cache.lengths[s.slot]:
+                self.cache.truncate([s.slot], [keep_len])
+        if self.static is not None and s.mbe_first_changed is not None:
+            self.static.refill(self, s, s.mbe_first_changed, s.block)
+        s.mbe_start, s.status = None, DECODING
+        self.after_block(s)
+
+    def after_block(self, s: Sequence, eos: bool | None = None) -> None:
+        """Next block, end of turn or end of sequence, by the block's content."""
+        K = self.K
+        if s.env is None:
+            end = min(s.prompt_len + self.cfg.max_new_tokens, (s.block + 1) * K)
+            s.eos = (eos if eos is not None else
+                     first_eos(self.slots.canvas[s.slot, s.prompt_len:end].tolist(), self.eos_ids) is not None)
+            if (self.cfg.stop_at_eos and s.eos) or s.block + 1 >= s.num_blocks:
+                self._release(s, s.num_blocks * K)
+            else:
+                self._start_block(s, s.block + 1)
+            return
+        text, has_eos = self._turn_text(s, (s.block + 1) * K)
+        if has_eos:
+            self._finish_turn(s, "eos", text)
+        elif self.mt.stop_at_tool_call and TOOL_CALL_CLOSE in text:
+            self._finish_turn(s, "tool_call", text)
+        elif s.block + 1 >= s.num_blocks:
+            self._finish_turn(s, "budget", text)
+        else:
+            self._start_block(s, s.block + 1)
+
+    # ---- multi-turn: turns, environments, observations
+    def _budget(self) -> int:
+        return min(self.T, self.mt.max_total_tokens)
+
+    def _turn_end_block(self, start: int) -> int:
+        K = self.K
+        return min(round_up(start + self.mt.max_turn_tokens, K), round_up(self._budget(), K), self.T) // K
+
+    def _turn_text(self, s: Sequence, end: int) -> tuple[str, bool]:
+        toks = self.slots.canvas[s.slot, s.start:end].tolist()
+        cut = first_eos(toks, self.eos_ids)
+        if cut is not None:
+            toks = toks[:cut]
+        return self.tokenizer.decode(toks, skip_special_tokens=True), cut is not None
+
+    def _finish_turn(self, s: Sequence, finished_by: str, text: str) -> None:
+        end = (s.block + 1) * self.K
+        tag = 2 * len(s.turns) + 1
+        for i in range(s.start, end):
+            s.generated[i], s.segment[i] = True, tag
+        s.length = end
+        s.turns.append(TurnRecord(index=len(s.turns), start=s.start, end=end, text=text, finished_by=finished_by,
+                                  forwards=s.turn_forwards))
+        s.turn_forwards = 0
+        s.submitted = time.monotonic()
+        s.future = self.runner.submit(s.env, text)
+        s.status = WAITING
+
+    def _end_trajectory(self, s: Sequence, stop: str, failed: bool = False, error: str | None = None) -> None:
+        s.stop, s.failed, s.error, s.end_time = stop, failed, error, time.monotonic()
+        self._release(s, s.length)
+
+    def _poll_environments(self) -> None:
+        for s in [s for s in self.active if s.status == WAITING]:
+            self._rejoin(s)
+
+    def _rejoin(self, s: Sequence) -> None:
+        """Take the step's result (done or timed out): end the trajectory, or append the observation."""
+        fut, turn = s.future, s.turns[-1]
+        if not fut.done():
+            if time.monotonic() - s.submitted < self.mt.step_timeout_s:
+                return
+            turn.error = f"env.step timed out after {self.mt.step_timeout_s:g} s"
+            turn.env_latency_s = time.monotonic() - s.submitted
+            s.future = None
+            return self._end_trajectory(s, "env_timeout", True, turn.error)
+        s.future = None
+        try:
+            value, latency = fut.result()
+            obs, reward, done, info = unpack_step(value)
+        except Exception as e:  # the environment's failure ends this trajectory only
+            turn.error = f"{type(e).__name__}: {str(e)[:200]}"
+            turn.env_latency_s = time.monotonic() - s.submitted
+            return self._end_trajectory(s, "env_error", True, turn.error)
+        turn.reward, turn.done, turn.info, turn.env_latency_s = reward, done, info, latency
+        turn.tool_calls = list(info.get("tool_calls") or [])
+        turn.wait_s = time.monotonic() - s.submitted
+        if self.on_turn is not None:
+            self.on_turn(s.id, turn)
+        if done:
+            return self._end_trajectory(s, "done")
+        if len(s.turns) >= self.mt.max_turns:
+            return self._end_trajectory(s, "max_turns")
+        self._append_observation(s, turn, obs)
+
+    def _append_observation(self, s: Sequence, turn: TurnRecord, obs: str | None) -> None:
+        obs_ids = self.tokenizer(self.mt.observation_template.format(observation=obs or ""),
+                                 add_special_tokens=False)["input_ids"]
+        lo = s.length
+        if lo + len(obs_ids) + 1 > self._budget():
+            return self._end_trajectory(s, "max_total_tokens")
+        turn.observation, turn.obs_start, turn.obs_end = obs, lo, lo + len(obs_ids)
+        self.slots.canvas[s.slot, lo:lo + len(obs_ids)] = torch.tensor(obs_ids, dtype=torch.long, device=self.device)
+        for i in range(lo, lo + len(obs_ids)):
+            s.segment[i] = 2 * len(s.turns)
+        s.start = s.length = lo + len(obs_ids)
+        s.first_block = s.start // self.K
+        s.num_blocks = self._turn_end_block(s.start)
+        self._start_block(s, s.start // self.K)
+        if self.static is not None:
+            self.static.resume(self, s)
+
+
+def _lev_ids(cfg, mcfg) -> tuple[int, int] | None:
+    if not cfg.levenshtein:
+        return None
+    if getattr(mcfg, "delete_token_id", None) is None:
+        raise ValueError("DecodeConfig.tau_delete / tau_insert: the model's config has no delete_token_id / "
+                         "insert_token_id; Levenshtein editing needs a model trained with them")
+    return int(mcfg.delete_token_id), int(mcfg.insert_token_id)

@@ -1,0 +1,77 @@
+"""One sequence of the rollout engine: a small state machine and the counters it reports.
+
+    QUEUED --admit--> DECODING (block b) --block ends--> DECODING (block b+1)
+                         |   ^                  \\--> MBE (window passes) --> DECODING / WAITING / FINISHED
+                         |   '---- observation appended ----.
+                         '--turn ends--> WAITING (env.step) -'--> FINISHED (done, limits, env failure)
+
+A sequence holds a slot (a row of the engine's canvas and KV cache) from admission to FINISHED; its tokens
+are copied out of the slot when it finishes, so the slot can take the next queued sequence at once. The
+prompt-like boundary `start` is the first position the current turn may write: the prompt's end for a
+single-turn rollout, the end of the last observation for a later turn. Everything before it is context:
+never filled, never edited, never moved by DELETE / INSERT, never rewritten by Multi-Block Editing.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+
+import torch
+
+QUEUED, DECODING, MBE, WAITING, FINISHED = "queued", "decoding", "mbe", "waiting", "finished"
+
+
+@dataclass
+class Sequence:
+    """Host-side state of one sequence (positions are absolute canvas indices)."""
+
+    id: int  # index in the caller's list (what on_step / on_turn report)
+    prompt: list[int]
+    generator: torch.Generator | None = None
+    env: object | None = None  # an environment (reset/step) for a multi-turn rollout; None: single-turn
+    status: str = QUEUED
+    slot: int | None = None
+    start: int = 0  # first writable position of the current turn
+    block: int = 0  # active block index
+    first_block: int = 0  # the current turn's first block (MBE never reaches before it)
+    num_blocks: int = 0  # the current turn may decode blocks [first_block, num_blocks)
+    forwards: int = 0
+    edits: int = 0
+    mbe_edits: int = 0
+    deletes: int = 0
+    inserts: int = 0
+    edit_log: list = field(default_factory=list)  # (offset from the prompt's end, old, new) of every rewrite
+    lev_drafts: dict = field(default_factory=dict)  # block -> its tokens before its first DELETE / INSERT
+    mbe_start: int | None = None  # first block of the MBE window while MBE passes run
+    mbe_passes: int = 0
+    mbe_first_changed: int | None = None
+    eos: bool = False
+    # multi-turn
+    turns: list = field(default_factory=list)
+    turn_forwards: int = 0
+    length: int = 0  # tokens so far whose values are final (prompt, finished turns, observations)
+    future: concurrent.futures.Future | None = None
+    submitted: float = 0.0
+    stop: str = ""
+    failed: bool = False
+    error: str | None = None
+    end_time: float = 0.0
+    generated: list[bool] = field(default_factory=list)
+    segment: list[int] = field(default_factory=list)
+    # copied out of the slot when the sequence finishes
+    canvas: list[int] = field(default_factory=list)
+    trace: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def ready(self) -> bool:
+        """Takes part in the next forward."""
+        return self.status in (DECODING, MBE)
+
+    def new_block(self, block: int) -> None:
+        self.block = block
+        self.mbe_start, self.mbe_passes, self.mbe_first_changed = None, 0, None
+        self.status = DECODING
