@@ -37,8 +37,9 @@ import time
 import warnings
 
 from rewards import judge as judge_proc
-from rewards import sandbox_uids
-from rewards.sandbox_leftovers import remove_leftovers
+from rewards import sandbox_cleaner, sandbox_uids
+from rewards.sandbox_leftovers import unsticky_dirs
+from rewards.sandbox_rmtree import remove_path
 from rewards.sandbox_fs import InterpreterError, InterpreterInfo, bwrap_binds, interpreter_info
 from rewards.sandbox_uids import UID_BASE, UID_COUNT, Slot, kill_uid  # noqa: F401 (re-exported)
 
@@ -65,6 +66,7 @@ SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL":
 TEST_GRACE_S = 2.0   # the parent kills the sandbox when a test runs this much past its deadline
 RUN_GRACE_S = 3.0    # ... and when the whole run (start-up included) runs this much past total_timeout_s
 CLEANUP_S = 2.0      # at most this long to kill and collect a sandbox that did not end by itself
+CLEANUP_MARGIN_S = 0.1  # rlimits: the removal of leftovers stops this long before the call's wall bound
 
 
 @dataclasses.dataclass
@@ -219,10 +221,15 @@ def mode_works(mode: str) -> bool:
 @functools.lru_cache(maxsize=None)
 def _warn_rlimits_picked() -> None:
     """Once per process: ``auto`` fell back to the weakest mode; say what it leaves open."""
+    found = unsticky_dirs()
     msg = ("code reward: sandbox mode 'auto' picked 'rlimits' (bwrap and unshare do not work here: "
            + "; ".join(f"{m}: {e}" for m, e in _PROBE_ERRORS.items()) + "). It does not isolate the network, "
            "the host's unix sockets (connect() needs only write permission on a socket file, e.g. under /run "
-           "or /tmp) or the host file system; see docs/rewards.md")
+           "or /tmp) or the host file system: in a world-writable directory without the sticky bit (Ray's "
+           "/tmp/ray/session_* directories" + (f"; here: {', '.join(found)}" if found else "") + ") a "
+           "candidate can delete or rename other users' files, the trainer's own Ray session included. "
+           "Install bubblewrap (bwrap), or allow unprivileged user namespaces (unshare), to stop that; "
+           "see docs/rewards.md")
     _LOG.warning(msg)
     warnings.warn(msg, stacklevel=3)
 
@@ -280,6 +287,24 @@ def _descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+def _wait(readers, writer, timeout_s: float) -> tuple[list, bool]:
+    """poll(2) for the readable ``readers`` and a writable ``writer`` (or None), up to ``timeout_s``
+    seconds. Not select(2): a reward process with more than 1024 descriptors open (a trainer) gets
+    descriptor numbers select cannot take."""
+    p = select.poll()
+    for fd in readers:
+        p.register(fd, select.POLLIN)
+    if writer is not None:
+        p.register(writer, select.POLLOUT)
+    readable, writable = [], False
+    for fd, ev in p.poll(max(0.0, timeout_s) * 1000.0):
+        if fd == writer and ev & (select.POLLOUT | select.POLLERR | select.POLLHUP):
+            writable = True
+        if fd in readers and ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+            readable.append(fd)
+    return readable, writable
 
 
 class _Session:
@@ -356,7 +381,7 @@ class _Session:
             if now >= end:
                 self.reason = "deadline"
                 return
-            readable, writable, _ = select.select(list(open_fds), [in_fd] if self.pending else [], [], end - now)
+            readable, writable = _wait(open_fds, in_fd if self.pending else None, end - now)
             if writable:
                 try:
                     self.pending = self.pending[os.write(in_fd, self.pending[:1 << 16]):]
@@ -488,6 +513,7 @@ def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo,
                       "open_files": limits.open_files}}
     if not ns_mode:
         _subreaper_once()
+    end = time.monotonic() + wall_bound_s(limits)  # the whole call, clean-up included, ends by then
     slot = Slot(info.dedicated_uid)
     try:
         with slot as uid:
@@ -509,11 +535,14 @@ def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo,
                 finally:
                     slot.dirty = not session.finish(ns_mode)
             finally:
+                # what is left past the budget is finished in the background (sandbox_cleaner), the uid
+                # held until then; the work dir, owned by the uid, is one of its leftovers
+                cleanup_end = max(end - CLEANUP_MARGIN_S, time.monotonic() + 0.05)
                 if uid is not None and not ns_mode:
                     slot.sweep()  # before deleting: nothing of the sandbox may still write there
-                    remove_leftovers(uid)
-                if work:
-                    shutil.rmtree(work, ignore_errors=True)
+                    slot.clean(cleanup_end)
+                if work and not remove_path(work, cleanup_end):
+                    sandbox_cleaner.submit(lambda deadline: remove_path(work, deadline), lambda _: None)
     finally:
         chan.close()
         verdicts.close()

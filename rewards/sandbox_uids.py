@@ -3,7 +3,9 @@
 Each concurrent sandbox holds one uid of ``UID_BASE .. UID_BASE + UID_COUNT - 1`` through an exclusive
 lock file under ``/tmp/ebpo-sandbox-uids``. The file also records whether the last holder cleaned up
 (``free``) or not (``busy``: it was killed mid-sample); a dirty uid is swept before it is used again, and
-a uid whose leftovers cannot be removed (zombies of a parent that does not reap) is skipped.
+a uid whose leftovers cannot be removed (zombies of a parent that does not reap) is skipped. A clean-up
+that does not fit in the sample's budget is finished in the background (sandbox_cleaner), the uid held
+and marked busy until it is done: a uid is never handed out with something of its last sample left.
 
 The sweep is ``kill(-1, SIGKILL)`` issued by a helper process running as that uid: the kernel signals
 every process of the uid in one pass under the task-list lock, and a process that is forking when the
@@ -20,10 +22,13 @@ import signal
 import tempfile
 import time
 
+from rewards import sandbox_cleaner
 from rewards.sandbox_leftovers import remove_leftovers
 
 UID_BASE = int(os.environ.get("EBPO_SANDBOX_UID_BASE", "61000"))
 UID_COUNT = 512
+SANDBOX_UIDS = range(UID_BASE, UID_BASE + UID_COUNT)
+ENTER_CLEANUP_S = 1.0  # what a new holder spends on a dead holder's leftovers before taking another uid
 LOCK_DIR = os.path.join(tempfile.gettempdir(), "ebpo-sandbox-uids")
 _QUARANTINED: set[int] = set()
 
@@ -147,6 +152,7 @@ class Slot:
 
     def __init__(self, active: bool):
         self.active, self.fd, self.uid, self.dirty = active, None, None, False
+        self.unfinished = False  # the clean-up ran out of its budget: finished in the background
 
     def __enter__(self):
         if not self.active:
@@ -163,16 +169,28 @@ class Slot:
             except OSError:
                 os.close(fd)
                 continue
-            if _read_marker(fd) == b"busy":  # the last holder died mid-sample
+            if _read_marker(fd) == b"busy":  # the last holder died mid-sample, or mid-clean-up
                 if kill_uid(uid):
                     _QUARANTINED.add(uid)  # unreapable leftovers would cost the next sample its process limit
                     os.close(fd)
                     continue
-                remove_leftovers(uid)  # and what it left on the host (files, SysV IPC)
+                # and what it left on the host (files, SysV IPC): a short try, else finished in the
+                # background while this process holds the uid, and the next uid is taken
+                if not remove_leftovers(uid, time.monotonic() + ENTER_CLEANUP_S, SANDBOX_UIDS)[1]:
+                    _finish_later(fd, uid)
+                    continue
             _write_marker(fd, b"busy")
             self.fd, self.uid = fd, uid
             return uid
         raise RuntimeError("all sandbox uids are busy")
+
+    def clean(self, deadline: float) -> bool:
+        """Remove what the uid left on the host until ``deadline`` (``time.monotonic()`` seconds); when
+        that is not enough, the rest is finished in the background on exit, holding the uid meanwhile."""
+        if self.fd is None:
+            return True
+        self.unfinished = not remove_leftovers(self.uid, deadline, SANDBOX_UIDS)[1]
+        return not self.unfinished
 
     def sweep(self) -> None:
         """When the sandbox did not end cleanly: kill everything of the uid now (once), quarantine the uid
@@ -187,6 +205,25 @@ class Slot:
             return
         try:
             self.sweep()
+        except Exception:  # the uid stays busy: the next holder sweeps it
+            self.unfinished = True
+        if self.unfinished:  # marked free (and unlocked) only once nothing of the sample is left
+            _finish_later(self.fd, self.uid)
+            return
+        try:
             _write_marker(self.fd, b"free")
         finally:
             os.close(self.fd)
+
+
+def _finish_later(fd: int, uid: int) -> None:
+    """Hand a uid whose clean-up did not finish to the background cleaner, which holds its lock until
+    everything is removed, then marks it free and releases it (given up: released, still marked busy)."""
+    def done(finished: bool) -> None:
+        try:
+            if finished:
+                _write_marker(fd, b"free")
+        finally:
+            os.close(fd)
+
+    sandbox_cleaner.submit(lambda deadline: remove_leftovers(uid, deadline, SANDBOX_UIDS)[1], done)
