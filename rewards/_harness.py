@@ -13,9 +13,10 @@ open as a lifeline: EOF means the parent is gone and the harness kills everythin
 names the inherited descriptor of the judge's channel. Channel, judge to harness, one JSON line each:
 ``{"op": "start", "seq", "i", "kind": "call"|"stdio", "budget", "names"|"stdin"}`` (a call test's
 candidate answers which of ``names`` it defines, and as what), ``{"op": "call", "seq", ...}`` (forwarded
-to the candidate), ``{"op": "bye"}`` (the next start, or bye, ends the test before it). Harness to judge: ``<seq>
-<answer line>``. stdout, for the parent: ``{"ready": 1, ...}``, ``{"start": i}``, ``{"i": i, "status"}``
-after each test, ``{"done": 1}``.
+to the candidate), ``{"op": "bye"}`` (the next start, or bye, ends the test before it). Harness to
+judge: ``<seq> <answer line>`` (the candidate's answer, forwarded untouched) or ``<seq>h <record>`` (our
+own record: a stdio result, or why a call got no answer; the candidate cannot write one). stdout, for the
+parent: ``{"ready": 1, ...}``, ``{"start": i}``, ``{"i": i, "status"}`` after each test, ``{"done": 1}``.
 
 Containment. In the ``bwrap``/``unshare`` modes this process is pid 1 of the sandbox's pid namespace:
 signals from inside the namespace cannot stop or kill it, orphans are re-parented to it, and when it
@@ -107,8 +108,15 @@ def _child_common(job, stdin_fd, stdout_fd, keep_fds=()):
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd, src in enumerate((stdin_fd, stdout_fd, None)):
         os.dup2(devnull if src is None else src, fd)
-    for fd in range(3, 1024):  # our stdout, the lifeline and the judge's channel must not reach the candidate
-        if fd not in keep_fds:
+    # our stdout, the lifeline and the judge's channel must not reach the candidate: close every other
+    # descriptor, whatever its number (the channel keeps the number it has in the reward process, which
+    # holds more than 1024 descriptors in a busy trainer)
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        fds = range(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    for fd in fds:
+        if fd > 2 and fd not in keep_fds:
             try:
                 os.close(fd)
             except OSError:
@@ -371,7 +379,13 @@ class _Relay:
         self.deadline, self.status, self.buf = 0.0, "ok", b""
 
     def send(self, seq, line):
+        """Forward the candidate's answer line to request ``seq``, untouched."""
         self.chan.sendall(b"%d " % seq + line + b"\n")
+
+    def own(self, seq, obj):
+        """Our own record about request ``seq`` (``<seq>h``): the candidate's lines never carry the ``h``,
+        so a line it writes cannot pass for one of ours."""
+        self.chan.sendall(b"%dh " % seq + json.dumps(obj).encode() + b"\n")
 
     def start(self, msg):
         self.finish()
@@ -381,8 +395,7 @@ class _Relay:
         if msg["kind"] == "stdio":
             status, out, code = _run_stdio(self.job, str(msg.get("stdin", "")), self.deadline)
             self.status = status
-            self.send(msg["seq"], json.dumps({"stdout": out.decode("utf-8", "replace"), "exit": code,
-                                              "status": status}).encode())
+            self.own(msg["seq"], {"stdout": out.decode("utf-8", "replace"), "exit": code, "status": status})
             return
         req_r, self.req = os.pipe()  # plain pipes: the socket module costs the sandbox's start-up time
         self.ans, ans_w = os.pipe()
@@ -418,7 +431,7 @@ class _Relay:
         still unanswered is answered with that)."""
         if self.pid is None:
             for seq, _ in requests:
-                self.send(seq, json.dumps({"h": self.status if self.status != "ok" else "died"}).encode())
+                self.own(seq, {"h": self.status if self.status != "ok" else "died"})
             return
         pidfd = _pidfd(self.pid)
         try:
@@ -432,13 +445,13 @@ class _Relay:
                 if why:
                     self.kill(why)
                     for later, _ in requests[k:]:
-                        self.send(later, json.dumps({"h": why}).encode())
+                        self.own(later, {"h": why})
                     return
         except OSError:  # the candidate closed its end or stopped reading until the deadline
             why = "timeout" if time.monotonic() >= self.deadline else "died"
             self.kill(why)
             for seq, _ in requests:  # the judge drops answers to requests it no longer waits for
-                self.send(seq, json.dumps({"h": why}).encode())
+                self.own(seq, {"h": why})
         finally:
             if pidfd is not None:
                 os.close(pidfd)
@@ -530,10 +543,13 @@ def main():
     pid1 = os.getpid() == 1
     _STATE["kill_all"] = job["kill_all"] or pid1
     _STATE["workdir"] = job.get("workdir")
-    chan = _Channel(job["channel_fd"])
+    # the channel keeps the number it had in the reward process, which may be above what select() takes
+    chan_fd = os.dup(job["channel_fd"])
+    os.close(job["channel_fd"])
+    chan = _Channel(chan_fd)
     relay = _Relay(job, chan, time.monotonic() + job["total_timeout_s"])
     _emit({"ready": 1, "pid1": pid1, "python": list(sys.version_info[:3])})
-    chan.sendall(b'0 {"ready": 1}\n')  # the judge starts the sample's clock now, as we do
+    chan.sendall(b'0h {"ready": 1}\n')  # the judge starts the sample's clock now, as we do
     try:
         _serve(job, relay)
     except OSError:  # the judge went away mid-answer

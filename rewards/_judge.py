@@ -38,7 +38,16 @@ class CallFailed(BaseException):
 
 
 class Deadline(BaseException):
-    """The test's time is up (raised by SIGALRM, repeated until the test gives up)."""
+    """The test's time is up (raised by SIGALRM, repeated until the test gives up). The test is failed
+    when it is raised, so test code that catches it (a bare ``except:``) cannot turn a hang into a pass."""
+
+
+# Exceptions the interpreter itself reads as "the iteration is over": raised by the candidate inside
+# test code they would end an enclosing ``for ... in map(f, ...)`` or ``all(map(...))`` silently, so the
+# test would pass without checking anything (PEP 479's reason). The candidate's raising one is a failed call.
+_ITERATION_ENDS = ("StopIteration", "StopAsyncIteration")
+# What the harness itself reports about a call (its own records, never the candidate's)
+_HARNESS_WHY = ("timeout", "died", "output_limit")
 
 
 class _Chan:
@@ -84,12 +93,17 @@ class _Test:
 
     def wait(self, want, expect):
         """The answer to request ``want``; answers to earlier requests (that timed out here, or a
-        prefetched call the test did not make) are dropped."""
+        prefetched call the test did not make) are dropped. The harness marks its own records with an
+        ``h`` after the number (``<seq>h {...}``); a line the candidate wrote is always ``<seq> <line>``,
+        so it can never pass for one of them."""
+        mine, ours = b"%d" % want, b"%dh" % want
         while True:
             seq, _, body = self._line().partition(b" ")
-            if seq == b"%d" % want:
+            if seq == mine:
                 return interpret(body, self, expect)
-            if seq == b"0" and body == b'{"ready": 1}':  # written by the harness, before any candidate
+            if seq == ours:
+                return interpret(body, self, expect, harness=True)
+            if seq == b"0h" and body == b'{"ready": 1}':  # written by the harness, before any candidate
                 self.chan.ready()
 
     def _line(self):
@@ -110,15 +124,24 @@ class _Test:
         raise CallFailed(why)
 
 
-def interpret(body, test, expect):
-    """What one answer line means, for a request of kind ``expect`` ("call", "resolve" or "stdio"). Runs
-    on candidate-written bytes: every branch ends in a plain value, an exception of the judge's own
-    builtins, or CallFailed; the last branch takes any record not foreseen as a failed call."""
+def interpret(body, test, expect, harness=False):
+    """What one answer line means, for a request of kind ``expect`` ("call", "resolve" or "stdio");
+    ``harness``: the line is the harness's own record (stdio results, and why a call got no answer),
+    else the candidate wrote it. Every branch ends in a plain value, an exception of the judge's own
+    builtins, or CallFailed; the last branch takes any record not foreseen as a failed call. What goes
+    into the outcome (``test.failed``, ``test.raised``) is one of a fixed set of words, or an
+    identifier after ``raised:``: the candidate cannot write a status that people read."""
     try:
         msg = json.loads(body)
     except (ValueError, RecursionError, UnicodeDecodeError):
         return test.fail("bad_record")
     if type(msg) is not dict:
+        return test.fail("bad_record")
+    if harness:
+        if expect == "stdio" and type(msg.get("stdout")) is str:
+            return msg
+        if msg.get("h") in _HARNESS_WHY:
+            return test.fail(msg["h"])
         return test.fail("bad_record")
     if expect == "call" and "v" in msg:
         try:
@@ -127,17 +150,16 @@ def interpret(body, test, expect):
             return test.fail("bad_value")
     if expect == "resolve" and type(msg.get("names")) is dict:
         return msg["names"]
-    if expect == "stdio" and type(msg.get("stdout")) is str:
-        return msg
-    if type(msg.get("raised")) is str:
-        test.raised = msg["raised"][:40]
-        cls = getattr(builtins, test.raised, None)
+    name = msg.get("raised")
+    if type(name) is str and len(name) <= 40 and name.isascii() and name.isidentifier():
+        test.raised = name
+        cls = getattr(builtins, name, None)
+        if name in _ITERATION_ENDS:
+            return test.fail("raised:" + name)
         if expect == "call" and isinstance(cls, type) and issubclass(cls, Exception):
             raise cls("raised by the candidate")  # test code may expect it (``except ValueError``)
-        return test.fail("raised:" + test.raised)
-    if type(msg.get("h")) is str:  # the harness: timeout, died, output_limit
-        return test.fail(msg["h"][:40])
-    if "bad" in msg:
+        return test.fail("raised:" + name)
+    if "bad" in msg and len(msg) == 1:
         return test.fail("bad_value")
     return test.fail("bad_record")  # anything else: a failed call, never a pass
 
@@ -191,7 +213,8 @@ def _bind(test, spec, scope):
                 scope[name] = plain_decode(kind[1])
             except PlainError:
                 test.fail("bad_value")
-        # missing or not plain: left unbound, the test sees a NameError
+        else:  # missing or not plain: unbound (not the prompt's), the test sees a NameError
+            scope.pop(name, None)
 
 
 def _self_contained(spec):
@@ -222,6 +245,16 @@ def _normalize_output(text):
     return lines
 
 
+_CODE = {}
+
+
+def _compiled(src, label):
+    """Compiled once per sample (a prompt's helpers serve every test of it)."""
+    if src not in _CODE:
+        _CODE[src] = compile(src, label, "exec")
+    return _CODE[src]
+
+
 def _run_one(test, spec):
     """Run one test; return (passed, why)."""
     if spec["kind"] == "stdio":
@@ -239,6 +272,8 @@ def _run_one(test, spec):
     scope = {"__name__": "__judge__", "__builtins__": builtins}
     for m in _PARENT_MODULES:
         scope[m] = importlib.import_module(m)
+    if spec.get("prelude"):  # helpers the task's prompt defines: trusted task code, run here
+        exec(_compiled(spec["prelude"], "<prompt helpers>"), scope)
     _bind(test, spec, scope)
     exec(compile(spec["src"], "<test %d>" % spec["i"], "exec"), scope)
     return True, "ok"
@@ -248,11 +283,11 @@ def _guarded(test, spec):
     try:
         return _run_one(test, spec)
     finally:
-        _ARMED[0] = False  # from here on SIGALRM is ignored: the verdict below is not interrupted
+        _ARMED[0] = None  # from here on SIGALRM is ignored: the verdict below is not interrupted
 
 
 def _verdict(test, spec):
-    _ARMED[0] = True
+    _ARMED[0] = test
     try:
         ok, why = _guarded(test, spec)
     except Deadline:
@@ -268,11 +303,14 @@ def _verdict(test, spec):
     return ok, why
 
 
-_ARMED = [False]
+_ARMED = [None]  # the test whose deadline SIGALRM enforces now (None: the alarm is ignored)
 
 
 def _alarm(*_):
-    if _ARMED[0]:
+    test = _ARMED[0]
+    if test is not None:
+        # failed before it is raised: test code that catches it (``except:``) cannot make it a pass
+        test.failed = test.failed or "timeout"
         raise Deadline()
 
 

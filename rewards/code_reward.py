@@ -40,11 +40,13 @@ def _limits(test_timeout_s=2.0, total_timeout_s=20.0, memory_mb=1024, max_procs=
                   site_packages=tuple(site_packages or ()))
 
 
-def code_reward(*, completion: str, tests, sandbox: str = "auto", test_timeout_s: float = 2.0,
-                total_timeout_s: float = 20.0, memory_mb: int = 1024, max_procs: int = 32, tmp_mb: int = 64,
-                site_packages: list | None = None, **_) -> RewardResult:
+def code_reward(*, completion: str, tests, prompt: str | None = None, sandbox: str = "auto",
+                test_timeout_s: float = 2.0, total_timeout_s: float = 20.0, memory_mb: int = 1024,
+                max_procs: int = 32, tmp_mb: int = 64, site_packages: list | None = None, **_) -> RewardResult:
     """Pass rate of the completion's code on ``tests`` (assert strings, programs such as HumanEval's
-    ``check(candidate)``, and/or {"input","output"} dicts).
+    ``check(candidate)``, and/or {"input","output"} dicts). ``prompt``: the task's prompt; helpers it
+    defines in full (HumanEval/32's ``poly``) are bound from it in the judge, never from the candidate
+    (rewards/prompt_helpers.py).
 
     extras: ``passed``, ``total`` (scored tests), ``sandbox`` (mode in force), ``outcomes`` (per scored
     test), ``program_tests`` (scored residual programs), ``vacuous_tests`` (left out),
@@ -55,7 +57,7 @@ def code_reward(*, completion: str, tests, sandbox: str = "auto", test_timeout_s
     if isinstance(tests, (str, dict)):
         tests = [tests]
     try:
-        every = compile_tests(tests)
+        every = compile_tests(tests, prompt)
     except TestFormatError as e:
         return skip(f"bad test: {e}")
     compiled = [c for c in every if not c["vacuous"]]

@@ -30,6 +30,7 @@ from typing import Any
 
 from rewards._plain import plain_encode
 from rewards.program_tests import free_names, split_program
+from rewards.prompt_helpers import NONE, PromptHelpers, prompt_helpers
 
 PARENT_MODULES = ("math", "cmath", "re", "string", "itertools", "functools", "collections", "heapq",
                   "bisect", "fractions", "decimal", "statistics", "operator")
@@ -93,21 +94,39 @@ def first_call(tree: ast.Module, names: list[str]) -> dict | None:
         return None
 
 
-def _compile_code(src: str, label: str, **flags) -> dict:
+def _entry_point(tree: ast.Module) -> str | None:
+    """The argument of a top-level ``check(name)`` call (HumanEval's entry point), else None."""
+    for stmt in tree.body:
+        if (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Name)
+                and stmt.value.func.id == "check" and len(stmt.value.args) == 1
+                and isinstance(stmt.value.args[0], ast.Name)):
+            return stmt.value.args[0].id
+    return None
+
+
+def _compile_code(src: str, label: str, helpers: PromptHelpers = NONE, trusted: frozenset = frozenset(),
+                  **flags) -> dict:
+    """One test for the judge. Names in ``trusted`` (helpers the prompt defines) are bound from the
+    prompt's code (``prelude``, run in the judge before the test) and never asked of the candidate."""
     tree = ast.parse(src)
     names = candidate_names(tree)
+    from_prompt = [n for n in names if n in trusted]
+    names = [n for n in names if n not in trusted]
     compile(tree, label, "exec")  # a syntax error the parser let through shows here, not in the judge
     judge = {"kind": "call", "src": src, "names": names}
+    if from_prompt:
+        judge["prelude"] = helpers.src
     first = first_call(tree, names)
     if first:
         judge["first"] = first
     return {"judge": judge, "vacuous": not names, "unsupported": bool(names) and _introspects(tree, names), **flags}
 
 
-def compile_test(test: Any, index: int) -> list[dict]:
+def compile_test(test: Any, index: int, helpers: PromptHelpers = NONE) -> list[dict]:
     """One row test -> compiled tests: {"judge": what the judge runs, "vacuous", "unsupported",
     "program", "split"}. An assert string gives one; a program gives one per standalone assert plus one
-    residual program (see program_tests); an {"input", "output"} dict gives one stdio test."""
+    residual program (see program_tests); an {"input", "output"} dict gives one stdio test. ``helpers``:
+    what the task's prompt defines (prompt_helpers), bound from the prompt, never from the candidate."""
     if isinstance(test, dict):
         if "input" not in test or "output" not in test:
             raise TestFormatError(f"test {index}: a dict test needs 'input' and 'output' keys, got {sorted(test)}")
@@ -118,12 +137,14 @@ def compile_test(test: Any, index: int) -> list[dict]:
                               f"got {type(test).__name__}")
     try:
         tree = ast.parse(test.strip())
+        trusted = helpers.for_entry(_entry_point(tree))
         if len(tree.body) == 1 and isinstance(tree.body[0], ast.Assert):
-            return [_compile_code(test.strip(), f"<test {index}>")]
+            return [_compile_code(test.strip(), f"<test {index}>", helpers, trusted)]
         split = split_program(test.strip(), PARENT_MODULES)
-        out = [_compile_code(a, f"<test {index}.{k}>", split=True) for k, a in enumerate(split.asserts)]
+        out = [_compile_code(a, f"<test {index}.{k}>", helpers, trusted, split=True)
+               for k, a in enumerate(split.asserts)]
         if split.residual is not None:
-            out.append(_compile_code(split.residual, f"<test {index}>", program=True))
+            out.append(_compile_code(split.residual, f"<test {index}>", helpers, trusted, program=True))
     except SyntaxError as e:
         raise TestFormatError(f"test {index}: syntax error in {test[:200]!r}: {e.msg}") from e
     if not out:  # nothing that can fail (e.g. only imports): one vacuous test, left out of the score
@@ -133,17 +154,18 @@ def compile_test(test: Any, index: int) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _compile_cached(tests_json: str) -> tuple:
-    return tuple(c for i, t in enumerate(json.loads(tests_json)) for c in compile_test(t, i))
+def _compile_cached(tests_json: str, helpers: PromptHelpers) -> tuple:
+    return tuple(c for i, t in enumerate(json.loads(tests_json)) for c in compile_test(t, i, helpers))
 
 
-def compile_tests(tests: list) -> tuple:
-    """All of a row's tests compiled once (cached by content); callers must not modify the result."""
+def compile_tests(tests: list, prompt: str | None = None) -> tuple:
+    """All of a row's tests compiled once (cached by content); callers must not modify the result.
+    ``prompt``: the task's prompt, whose helper definitions the tests get (see prompt_helpers)."""
     try:
         blob = json.dumps(list(tests), sort_keys=True)
     except (TypeError, ValueError) as e:
         raise TestFormatError(f"tests must be JSON data (assert strings / input-output dicts): {e}") from e
-    return _compile_cached(blob)
+    return _compile_cached(blob, prompt_helpers(prompt))
 
 
 def audit_tests(rows) -> dict:
