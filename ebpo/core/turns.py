@@ -87,11 +87,13 @@ def leaking_blocks(generated: torch.Tensor, segment: torch.Tensor, block_size: i
     pad = nb * K - L
     gen = torch.nn.functional.pad(generated.bool(), (0, pad), value=False).view(B, nb, K)
     seg = torch.nn.functional.pad(segment.long(), (0, pad), value=-1).view(B, nb, K)
-    last_gen_seg = torch.where(gen, seg, torch.full_like(seg, -1)).amax(-1)  # latest generated segment
+    # the earliest generated segment of the block: a later segment anywhere in the block is its future, context
+    # or model tokens alike ([turn t ; answer t ; turn t+1] in one block leaks the answer into turn t)
+    first_gen_seg = torch.where(gen, seg, torch.full_like(seg, torch.iinfo(torch.long).max)).amin(-1)
     # the latest segment present in the block (padding, -1, never counts)
     latest = seg.amax(-1)
     has_gen = gen.any(-1)
-    return has_gen & (latest > last_gen_seg)
+    return has_gen & (latest > first_gen_seg)
 
 
 def turn_index(generated: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
