@@ -14,8 +14,9 @@ in one turn are all run. A turn without a call is the final answer: `score(row, 
 reward and the trajectory ends.
 
 Isolation and limits, per tool (`Tool.isolation`):
-  * "thread" (default): the function runs in a worker thread; past `timeout_s` the call is an error
-    observation and the thread is abandoned (it cannot be killed: use "process" for tools that may hang);
+  * "thread" (default): the function runs in a daemon thread; past `timeout_s` the call is an error
+    observation and the thread is abandoned (it cannot be killed, but it never keeps the process from
+    exiting; use "process" for tools that may hang and hold memory or the GIL);
   * "process": a forked child runs the call and is killed at `timeout_s`; a crash (signal, exit) is an error;
   * "sandbox": for tools that run untrusted input (model-written code): the function's source and the call
     run as a program in `rewards.sandbox` (no network, no host files, rlimits; killed at `timeout_s`). What
@@ -28,18 +29,19 @@ A tool that hangs, crashes, raises or returns something unprintable becomes an e
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import inspect
 import json
 import multiprocessing
 import re
+import threading
 import time
 from typing import Any, Callable
 
 from rewards.envs.api import Environment, StepResult
 
-TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)  # the format; parsed by tool_call_bodies
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 ISOLATIONS = ("thread", "process", "sandbox")
 
@@ -83,11 +85,30 @@ class Tool:
         return self.spec["function"]["name"]
 
 
+def tool_call_bodies(text: str) -> list[str]:
+    """The text between each `<tool_call>` and the first `</tool_call>` after it, left to right (what
+    `TOOL_CALL_RE.findall` gives), in one pass of `str.find`: linear in the length of the text. (The
+    regular expression is quadratic on policy text that opens many calls and closes none: each opener
+    scans to the end; 1.2 s for 64k characters, minutes for a megabyte, holding the GIL.)"""
+    bodies, pos = [], 0
+    n_open, n_close = len(_OPEN), len(_CLOSE)
+    while True:
+        start = text.find(_OPEN, pos)
+        if start < 0:
+            return bodies
+        end = text.find(_CLOSE, start + n_open)
+        if end < 0:  # no closer after this opener: none after any later one either
+            return bodies
+        bodies.append(text[start + n_open:end])
+        pos = end + n_close
+
+
 def parse_tool_calls(text: str) -> list[dict]:
     """Every `<tool_call>...</tool_call>` of a turn, as {"name", "arguments"} or {"error": why}; a turn that
-    opens a call and never closes one gives one {"error": "unclosed <tool_call>"}."""
+    opens a call and never closes one gives one {"error": "unclosed <tool_call>"}. Linear in the length of
+    the text (tool_call_bodies; JSON decoding is linear too)."""
     calls = []
-    for body in TOOL_CALL_RE.findall(text):
+    for body in tool_call_bodies(text):
         try:
             obj = json.loads(body)
         except (ValueError, RecursionError) as e:
@@ -132,6 +153,28 @@ def validate_arguments(spec: dict, args: dict) -> str | None:
 def _to_text(value: Any, max_chars: int) -> str:
     text = value if isinstance(value, str) else json.dumps(value)
     return text[:max_chars]
+
+
+def _run_thread(tool: Tool, args: dict) -> tuple[str, Any]:
+    """The call in a daemon thread, waited for up to `timeout_s` seconds. Past it the thread is abandoned:
+    a daemon thread, so a hung tool costs its timeout and nothing more (the worker threads of a
+    ThreadPoolExecutor are joined at interpreter exit: a process that used a hung tool printed its
+    results and then never exited)."""
+    box: dict = {}
+    finished = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = ("ok", tool.fn(**args))
+        except BaseException as e:  # noqa: B036 - anything the tool raises is its error observation
+            box["value"] = ("error", f"{type(e).__name__}: {str(e)[:120]}")
+        finally:
+            finished.set()
+
+    threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True).start()
+    if not finished.wait(tool.timeout_s):
+        return "timeout", f"tool timed out after {tool.timeout_s:g} s"
+    return box["value"]
 
 
 def _process_target(fn, args, conn) -> None:  # runs in the forked child
@@ -199,16 +242,7 @@ def run_tool(tool: Tool, args: dict, sandbox_mode: str = "auto") -> dict:
         elif tool.isolation == "sandbox":
             status, value = _run_sandbox(tool, args, sandbox_mode)
         else:
-            pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-            fut = pool.submit(tool.fn, **args)
-            try:
-                status, value = "ok", fut.result(timeout=tool.timeout_s)
-            except concurrent.futures.TimeoutError:
-                status, value = "timeout", f"tool timed out after {tool.timeout_s:g} s"
-            except Exception as e:
-                status, value = "error", f"{type(e).__name__}: {str(e)[:120]}"
-            finally:
-                pool.shutdown(wait=False, cancel_futures=True)
+            status, value = _run_thread(tool, args)
         text = _to_text(value, tool.max_chars) if status == "ok" else None
     except Exception as e:  # a result that cannot be printed (garbage) is an error too
         status, text, value = "error", None, f"tool returned garbage: {type(e).__name__}"
