@@ -222,3 +222,28 @@ def test_a_deep_chain_left_by_the_candidate_is_gone_and_the_worker_goes_on(monke
 @pytest.mark.parametrize("short_budget", [False, True])
 def test_hostile_trees_everywhere_are_gone_and_the_worker_goes_on(monkeypatch, short_budget):
     _hostile_trees(monkeypatch, ["/tmp", "/dev/shm", "."], ["deep", "links", "flood"], short_budget)
+
+
+# ---- what rlimits mode cannot stop: named at start-up, and auto prefers a mode that can ------------------
+
+def test_auto_prefers_a_mode_that_hides_unsticky_directories_and_rlimits_names_them(monkeypatch):
+    import rewards.sandbox as sb
+    from rewards.sandbox_leftovers import unsticky_dirs
+    tag = uuid.uuid4().hex[:10]
+    session = f"/tmp/ebpo-ray-like-{tag}/session_1"  # like /tmp/ray/session_*: world-writable, no sticky bit
+    os.makedirs(session)
+    os.chmod(session, 0o777)
+    try:
+        assert session in unsticky_dirs(limit=1 << 20)
+        real = sb.mode_works
+        for works in (("bwrap", "unshare", "rlimits"), ("unshare", "rlimits")):
+            if real(works[0]):
+                monkeypatch.setattr(sb, "mode_works", lambda m, works=works: m in works and real(m))
+                assert sb.resolve_mode("auto").mode == works[0]  # private /tmp: the session is out of reach
+        sb._warn_rlimits_picked.cache_clear()
+        monkeypatch.setattr(sb, "mode_works", lambda m: m == "rlimits" and real(m))
+        with pytest.warns(UserWarning, match=r"without the sticky bit \(Ray's /tmp/ray/session_\*"):
+            assert sb.resolve_mode("auto").mode == "rlimits"
+    finally:
+        sb._warn_rlimits_picked.cache_clear()
+        remove_path(os.path.dirname(session), time.monotonic() + 10)
