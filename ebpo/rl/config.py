@@ -199,6 +199,12 @@ class RLConfig:
     kind: Literal["rl"] = doc("recipe kind", "rl")
     name: str = doc("run name", "rl")
     model: str = doc("initial policy: folder, tiny-sft (shipped) or preset:NAME[@seed]", "tiny-sft")
+    model_overrides: dict = doc(
+        "model config fields this run changes, for the learner and the rollout workers alike, e.g. "
+        "{delete_token_id: 105, insert_token_id: 106} (name the edit-control tokens of a checkpoint saved without "
+        "them: DELETE / INSERT decoding and L-EBPO need them) or {block_routing_capacity: 3} (LLaDA2.2 block "
+        "routing); the changed model is written to RUN_DIR/init_model at start-up. Allowed: "
+        "delete_token_id, insert_token_id, block_routing_capacity", default_factory=dict)
     data: DataConfig = doc("prompts", default_factory=DataConfig)
     rollout: RolloutConfig = doc("rollout workers and decoding", default_factory=RolloutConfig)
     reward: RewardConfig = doc("reward functions and workers", default_factory=RewardConfig)
@@ -230,6 +236,10 @@ class RLConfig:
             lc.validate()  # again: max_staleness and total_steps were set above
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        unknown = sorted(set(self.model_overrides) - set(MODEL_OVERRIDES))
+        if unknown:
+            raise ConfigError(f"model_overrides: {unknown} cannot be changed at start-up; allowed: "
+                              f"{', '.join(MODEL_OVERRIDES)} (fields that leave the weights' shapes as they are)")
         if tc.max_staleness > 0 and self.ray.weight_sync != "object_store":
             raise ConfigError(f"trainer.max_staleness = {tc.max_staleness} needs ray.weight_sync=object_store "
                               f"(got {self.ray.weight_sync!r}): the rollout workers load older weight versions "
@@ -266,6 +276,27 @@ class RLConfig:
     def resolved(self) -> dict:
         """The configuration as a plain dict (what `--print-config` shows and `config.yaml` holds)."""
         return asdict(self)
+
+
+# model config fields a recipe may change (`RLConfig.model_overrides`): none of them changes a weight's shape
+MODEL_OVERRIDES = ("delete_token_id", "insert_token_id", "block_routing_capacity")
+
+
+def model_config_of(spec: str, overrides: dict | None = None) -> LLaDA2MoeConfig:
+    """The configuration of the model a recipe names, with `overrides` applied and checked (ConfigError naming
+    the field); no weights are loaded."""
+    path = resolve_model_path(spec)
+    if path.startswith("preset:"):
+        config = load_preset(path[len("preset:"):].partition("@")[0])
+    else:
+        config = LLaDA2MoeConfig.from_pretrained(path)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    try:
+        config.validate()
+    except ValueError as err:
+        raise ConfigError(f"model_overrides: {err}") from None
+    return config
 
 
 def model_block_size(spec: str) -> int:

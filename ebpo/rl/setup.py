@@ -25,7 +25,7 @@ from ebpo.infra.tracking import Tracker
 from ebpo.model.loading import load_model_tokenizer, resolve_model_path
 from ebpo.rl.checkpoints import restore
 from ebpo.rl.cluster import Cluster, EventLog
-from ebpo.rl.config import RLConfig, model_block_size
+from ebpo.rl.config import RLConfig, model_block_size, model_config_of
 from ebpo.rl.launch import ray_init_kwargs, resolve_run_dir
 from ebpo.rl.prompts import PromptSampler, Prompts, reward_input
 from ebpo.rl.records import StepRecord
@@ -85,6 +85,8 @@ def check(cfg: RLConfig) -> RLRun:
     """Step 1: everything that can be checked before a run directory exists (see the module docstring)."""
     model_spec = resolve_model_path(cfg.model)
     model_k = model_block_size(model_spec)
+    if cfg.model_overrides:
+        model_config_of(model_spec, cfg.model_overrides)  # a bad value stops here, before anything is written
     for warning in cfg.check_against_model(model_k):  # block sizes, MBE
         log.warning(warning)
     tokenizer = load_model_tokenizer(model_spec)
@@ -141,6 +143,8 @@ def start_run(cfg: RLConfig) -> RLRun:
     # resume never rewrites config.yaml and refuses changes to what the run learns (ebpo/infra/run_config.py)
     open_run_dir(run.run_dir, to_dict(cfg), resume=bool(cfg.trainer.resume), allowed=cfg.trainer.resume_changes)
     print(f"ebpo: run directory {run.run_dir}", flush=True)
+    if cfg.model_overrides:
+        run.model_spec = write_init_model(run.model_spec, cfg.model_overrides, run.run_dir / "init_model")
     if not ray.is_initialized():
         ray.init(**ray_init_kwargs(cfg.ray, run.events))
     run.weights = PolicyWeights(ray, cfg.ray, run.events)  # learner -> rollout workers
@@ -156,6 +160,26 @@ def start_run(cfg: RLConfig) -> RLRun:
     if run.start_step == 0:
         run.tracker.log(run.prompts.metrics, step=0)
     return run
+
+
+def write_init_model(spec: str, overrides: dict, out: Path) -> str:
+    """The initial policy `spec` with `RLConfig.model_overrides` applied, saved to `out` (weights, config and
+    tokenizer); returns `out`, the model the learner and the rollout workers then load. Block routing is switched
+    with `set_block_routing` (config and every MoE gate); the other fields are config only. The whole model is
+    loaded once in the driver to write it: cheap for the tiny models, a copy of the weights for large ones."""
+    from ebpo.model.loading import load_model
+    from ebpo.model.routing import set_block_routing
+
+    model = load_model(spec)
+    for key, value in overrides.items():
+        if key == "block_routing_capacity":
+            set_block_routing(model, int(value))
+        else:
+            setattr(model.config, key, value)
+    model.config.validate()
+    model.save_pretrained(str(out))
+    load_model_tokenizer(spec).save_pretrained(str(out))
+    return str(out)
 
 
 def rebuild_learner(run: RLRun, err: Exception) -> int:
