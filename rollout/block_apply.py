@@ -57,14 +57,18 @@ def apply_block_steps(st: SlotTensors, seqs: list, results: list[tuple], cfg, K:
     tok = torch.stack([r[0] for r in results])
     prob = torch.stack([r[1] for r in results])
     lstep = None
+    cap = K + cfg.max_post_steps + 1
+    st.block_iters[slots] += 1
     if lev_ids is not None:
-        lstep = levenshtein_block_step(tok, prob, torch.stack([r[2] for r in results]), cur, protected, mask_id, cfg)
+        lstep = levenshtein_block_step(tok, prob, torch.stack([r[2] for r in results]), cur, protected, mask_id, cfg,
+                                       ops_allowed=st.block_iters[slots] < cap)
         res = lstep.result
     else:
         res = block_step(tok, prob, cur, protected, mask_id, cfg.tau_mask, cfg.tau_edit, cfg.num_to_transfer)
-    st.block_iters[slots] += 1
     done, st.post_steps[slots] = block_done(res, st.post_steps[slots], st.block_iters[slots], cfg.max_post_steps,
-                                            K + cfg.max_post_steps + 1, cfg.editing, prob, cfg.early_commit)
+                                            cap, cfg.editing or cfg.levenshtein, prob, cfg.early_commit)
+    if lstep is not None:  # never commit a [MASK]: past the cap a shifted-in slot is filled first
+        done = done & (res.masks_left == 0)
     st.canvas[slots[:, None], pos] = res.new
     fwd = torch.tensor([s.forwards for s in seqs], device=dev)[:, None]
     if lstep is not None:  # tokens keep their trace as they shift

@@ -73,7 +73,8 @@ class StaticDecodeStep:
     cur (B, K) long: each active block before the iteration, L-EBPO's pre-edit draft when an operation ran).
 
     Mutated in place: canvas (B, T), trace (B, T), post_steps, block_iters (B,). Inputs built by the host each
-    iteration: block, start (first writable position), forwards (B,) long, active (B,) bool, noise.
+    iteration: block, start (first writable position), limit (max new tokens), forwards (B,) long, active (B,)
+    bool, noise.
     """
 
     def __init__(self, model, cfg, K: int, T: int, mask_id: int, eos_ids: set[int], cache: StaticKVCache,
@@ -102,7 +103,7 @@ class StaticDecodeStep:
         return self.model(input_ids=ids, attention_mask=keep, position_ids=pos_ids, cache=self.cache,
                           return_logits=False).last_hidden_state[:, K:]
 
-    def __call__(self, canvas, trace, post_steps, block_iters, block, start, forwards, active, noise):
+    def __call__(self, canvas, trace, post_steps, block_iters, block, start, limit, forwards, active, noise):
         cfg, K, mask_id = self.cfg, self.K, self.mask_id
         logits = self.model.lm_head(self._window_hidden(canvas, block)).float()
         logits[..., mask_id] = float("-inf")  # as in the eager loop: a written token is never <|mask|>
@@ -120,14 +121,17 @@ class StaticDecodeStep:
         cur = canvas.gather(1, pos)
         protected = pos < start[:, None]
         lstep = None
+        iters = block_iters + active.long()
         if self.lev_ids is not None:
-            lstep = levenshtein_block_step(tok, prob, eprob, cur, protected, mask_id, cfg)
+            lstep = levenshtein_block_step(tok, prob, eprob, cur, protected, mask_id, cfg,
+                                           ops_allowed=iters < self.block_cap)
             res = lstep.result
         else:
             res = block_step(tok, prob, cur, protected, mask_id, cfg.tau_mask, cfg.tau_edit, cfg.num_to_transfer)
-        iters = block_iters + active.long()
-        done, new_post = block_done(res, post_steps, iters, cfg.max_post_steps, self.block_cap, cfg.editing, prob,
-                                    cfg.early_commit)
+        done, new_post = block_done(res, post_steps, iters, cfg.max_post_steps, self.block_cap,
+                                    cfg.editing or cfg.levenshtein, prob, cfg.early_commit)
+        if lstep is not None:  # never commit a [MASK]: past the cap a shifted-in slot is filled first
+            done = done & (res.masks_left == 0)
         act = active[:, None]
         canvas.scatter_(1, pos, torch.where(act, res.new, cur))
         old_trace = trace.gather(1, pos)
@@ -139,15 +143,16 @@ class StaticDecodeStep:
         zero = torch.zeros_like(block)
         ops = lstep.ops if lstep is not None else None
         outcome = torch.stack([
-            (done & active).long(), ((res.m2t | res.t2t) & act).any(-1).long(), self._has_eos(canvas, block, start),
+            (done & active).long(), ((res.m2t | res.t2t) & act).any(-1).long(), self._has_eos(canvas, block, start, limit),
             (res.t2t & act).sum(-1), zero if ops is None else ((ops == DEL) & act).sum(-1),
             zero if ops is None else ((ops == INS) & act).sum(-1)], -1)
         return outcome, cur
 
-    def _has_eos(self, canvas, block, start):
-        """(B,) long: EOS in the generated region [start, min(start + max_new_tokens, block end))."""
+    def _has_eos(self, canvas, block, start, limit):
+        """(B,) long: EOS in the generated region [start, min(start + limit, block end)) (limit: (B,) long, the
+        sequence's max_new_tokens)."""
         col = torch.arange(self.T, device=canvas.device)[None]
-        gen_end = torch.minimum(start + self.cfg.max_new_tokens, (block + 1) * self.K)
+        gen_end = torch.minimum(start + limit, (block + 1) * self.K)
         region = (col >= start[:, None]) & (col < gen_end[:, None])
         is_eos = torch.zeros_like(region)
         for e in self.eos:

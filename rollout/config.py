@@ -46,6 +46,8 @@ class DecodeConfig:
         active block whose probability of DELETE is > tau_delete is removed, the tokens after it shift left and
         the block is padded with [MASK] at the tail. None or negative = off (the default).
     tau_insert: the same for INSERT: x_i becomes ([MASK], x_i), the block is cut at the tail. None = off.
+        With either on, a full block takes post-steps even when T2T editing is off (tau_edit None), so that
+        DELETE / INSERT can still act on it: a block ends once a post-step changes nothing (docs/decoding.md).
     max_lev_edits: at most this many DELETE / INSERT operations per block and round (the most confident).
     max_batch: most sequences that decode at once (0 = all of a call's prompts). A finished sequence's slot
         takes the next queued prompt at the next forward (continuous batching); tokens never depend on it.

@@ -112,7 +112,8 @@ def _make_generators(n, seeds, generators, temperature, device):
 def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=None, seeds: list[int] | None = None,
              generators: list[torch.Generator] | None = None, progress: bool = False,
              on_step: Callable[[StepEvent], None] | None = None,
-             attention_mask: torch.Tensor | None = None, max_batch: int | None = None) -> list[GenerationOutput]:
+             attention_mask: torch.Tensor | None = None, max_batch: int | None = None,
+             max_new_tokens: list[int] | None = None) -> list[GenerationOutput]:
     """Decode every prompt with draft-and-edit decoding; returns one `GenerationOutput` per prompt, in order.
 
     model: an `LLaDA2MoeModelLM` (any module with the same forward signature and `config`).
@@ -126,6 +127,8 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
         its own generator, so its output does not depend on what else is in the batch.
     on_step: called with a `StepEvent` for every sequence after every forward.
     max_batch: most sequences decoding at once (default `config.max_batch`; 0 there = all prompts at once).
+    max_new_tokens: one length per prompt instead of `config.max_new_tokens` for all (a server's per-request
+        budget; the RL-like workload of `ebpo bench decode --rl-workload`).
     """
     cfg = config or DecodeConfig.preset("quality")
     mcfg = model.config
@@ -138,22 +141,25 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
 
         check_supported(cfg, on_step)
     limit = max_batch if max_batch is not None else cfg.max_batch
-    T = max(-(-(len(p) + cfg.max_new_tokens) // K) * K for p in ids)
+    lengths = list(max_new_tokens) if max_new_tokens is not None else [cfg.max_new_tokens] * len(ids)
+    if len(lengths) != len(ids) or any(int(m) < 1 for m in lengths):
+        raise ValueError(f"generate: max_new_tokens needs one length >= 1 per prompt ({len(ids)}), got {lengths}")
+    T = max(-(-(len(p) + m) // K) * K for p, m in zip(ids, lengths))
     if cfg.compiled_step:
         from .compiled import canvas_length
 
-        T = canvas_length([len(p) for p in ids], cfg.max_new_tokens, K)
+        T = max(canvas_length([len(p)], m, K) for p, m in zip(ids, lengths))
     engine = Engine(model, cfg, max_batch=min(limit or len(ids), len(ids)), canvas_len=T, on_step=on_step,
                     progress=progress)
     for i, p in enumerate(ids):
-        engine.submit(p, None if gens is None else gens[i])
+        engine.submit(p, None if gens is None else gens[i], max_new_tokens=lengths[i])
     seqs = engine.run()
-    return [_output(s, cfg.max_new_tokens, engine.eos_ids, tokenizer, K) for s in seqs]
+    return [_output(s, engine.eos_ids, tokenizer, K) for s in seqs]
 
 
-def _output(s, M: int, eos_ids: set[int], tokenizer, block_size: int) -> GenerationOutput:
+def _output(s, eos_ids: set[int], tokenizer, block_size: int) -> GenerationOutput:
     """The `GenerationOutput` of a finished single-turn engine `Sequence`."""
-    P = s.prompt_len
+    P, M = s.prompt_len, s.max_new
     toks = s.canvas[P:P + M]
     tr = s.trace[P:P + M]
     cut = first_eos(toks, eos_ids)

@@ -83,11 +83,14 @@ class Engine:
         self.row_forwards = 0  # sum over those calls of the rows that took part
 
     # ---- the public loop
-    def submit(self, prompt: list[int], generator: torch.Generator | None = None, env=None) -> Sequence:
+    def submit(self, prompt: list[int], generator: torch.Generator | None = None, env=None,
+               max_new_tokens: int | None = None) -> Sequence:
         """Queue one sequence (prompt token ids; its own generator when sampling; an environment, already
-        reset, for a multi-turn rollout). Returns its `Sequence`, filled in as it decodes."""
-        s = Sequence(id=len(self.sequences), prompt=[int(t) for t in prompt], generator=generator, env=env)
-        if len(s.prompt) + (self.cfg.max_new_tokens if env is None else 1) > self.T:
+        reset, for a multi-turn rollout; a single-turn length other than `cfg.max_new_tokens`). Returns its
+        `Sequence`, filled in as it decodes."""
+        s = Sequence(id=len(self.sequences), prompt=[int(t) for t in prompt], generator=generator, env=env,
+                     max_new=int(max_new_tokens or self.cfg.max_new_tokens))
+        if len(s.prompt) + (s.max_new if env is None else 1) > self.T:
             raise ValueError(f"Engine.submit: a prompt of {len(s.prompt)} tokens does not fit the canvas of "
                              f"{self.T} positions")
         self.sequences.append(s)
@@ -145,7 +148,7 @@ class Engine:
         s.start = s.length = P
         s.first_block = P // K
         if s.env is None:
-            s.num_blocks = -(-(P + self.cfg.max_new_tokens) // K)
+            s.num_blocks = -(-(P + s.max_new) // K)
         else:
             s.num_blocks = self._turn_end_block(P)
             s.generated, s.segment = [False] * self.T, [0] * P + [-1] * (self.T - P)
@@ -232,7 +235,7 @@ class Engine:
         """Next block, end of turn or end of sequence, by the block's content."""
         K = self.K
         if s.env is None:
-            end = min(s.prompt_len + self.cfg.max_new_tokens, (s.block + 1) * K)
+            end = min(s.prompt_len + s.max_new, (s.block + 1) * K)
             s.eos = (eos if eos is not None else
                      first_eos(self.slots.canvas[s.slot, s.prompt_len:end].tolist(), self.eos_ids) is not None)
             if (self.cfg.stop_at_eos and s.eos) or s.block + 1 >= s.num_blocks:

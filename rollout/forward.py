@@ -52,8 +52,12 @@ def run_model(model, canvas: torch.Tensor, slots: list[int], plan: RowPlan, cach
     """Hidden states (b, L, H) of one forward over the canvas rows `slots` laid out by `plan`."""
     S = max(cache.lengths[r] for r in slots) if cache is not None else 0
     lay = build_layout(canvas[slots], plan.q_start, plan.q_end, K, plan.clamp, S, mask_id)
+    lens = [e - s for s, e in zip(plan.q_start, plan.q_end)]
+    # rows of unequal slices (a sequence just admitted runs its prompt blocks too): the padding skips the MLP
+    ragged = min(lens) < max(lens)
     out = model(lay.input_ids, attention_mask=lay.keep, position_ids=lay.position_ids, cache=cache,
-                cache_rows=slots if cache is not None else None, return_logits=False)
+                cache_rows=slots if cache is not None else None, return_logits=False,
+                token_mask=lay.valid if ragged else None)
     return out.last_hidden_state
 
 

@@ -4,6 +4,12 @@ At every block step the model's distribution at position i also prices the two e
 p(DELETE) > tau_delete removes x_i (the tokens after it shift left), p(INSERT) > tau_insert turns x_i into
 ([MASK], x_i). At most `max_lev_edits` such operations run per block and round (the most confident ones), on
 generated positions only; a position that takes one is neither filled (M2T) nor rewritten (T2T) this round.
+An operation on a [MASK] is allowed: deleting it pulls the tokens after it left, inserting before it pushes them
+right, as the LCS labels that SFT trains on ask (`ebpo.core.levenshtein`). Only a [MASK] followed by nothing but
+[MASK]s to the block's end is a no-op there, and takes no operation. From a block's forward cap on
+(`K + max_post_steps + 1` forwards) DELETE and INSERT are off in that block, and the block ends only once it holds
+no [MASK]: a shift can open a slot at the cap, and the plain fill then closes it (at least one per forward), so
+no [MASK] is ever committed.
 The other positions go through the ordinary draft-and-edit step, with the edit-control tokens excluded from
 its candidates (a written token is never DELETE or INSERT). The block is then rebuilt by
 `ebpo.core.levenshtein.apply_ops`: padded with [MASK] at the tail, or cut there, so its length stays K.
@@ -72,17 +78,26 @@ def edit_sets(eprob: torch.Tensor, protected: torch.Tensor, tau_delete: float | 
     return want_d & keep, want_i & keep
 
 
-def levenshtein_block_step(tok, prob, eprob, cur, protected, mask_id: int, cfg) -> LevStep:
+def noop_positions(cur: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """(B, K) bool: [MASK] positions followed by nothing but [MASK]s to the block's end, where DELETE / INSERT
+    change nothing (deleting one pads another at the tail; inserting before one cuts one from the tail)."""
+    is_mask = (cur == mask_id).long()
+    return is_mask.flip(-1).cumprod(-1).flip(-1).bool()
+
+
+def levenshtein_block_step(tok, prob, eprob, cur, protected, mask_id: int, cfg,
+                           ops_allowed: torch.Tensor | None = None) -> LevStep:
     """The draft-and-edit step of `rollout.steps.block_step` with DELETE / INSERT added (module docstring).
 
     tok, prob: (B, K) candidates drawn with the edit-control tokens excluded; eprob (B, K, 2) from `edit_probs`;
     cur, protected (B, K) as in `block_step`; cfg: the `DecodeConfig` (tau_mask, tau_edit, num_to_transfer,
-    tau_delete, tau_insert, max_lev_edits).
+    tau_delete, tau_insert, max_lev_edits); ops_allowed: (B,) bool, False for blocks past their forward cap
+    (no operation there).
     """
-    # DELETE / INSERT act on written tokens only: deleting a [MASK] (or opening a slot before one) changes no
-    # content, only shifts the block, and would spend the round's operations on nothing
-    unwritten = (cur == mask_id) & ~protected
-    dele, ins = edit_sets(eprob, protected | unwritten, cfg.tau_delete, cfg.tau_insert, cfg.max_lev_edits)
+    blocked = protected | noop_positions(cur, mask_id)
+    if ops_allowed is not None:
+        blocked = blocked | ~ops_allowed[:, None]
+    dele, ins = edit_sets(eprob, blocked, cfg.tau_delete, cfg.tau_insert, cfg.max_lev_edits)
     base = block_step(tok, prob, cur, protected | dele | ins, mask_id, cfg.tau_mask, cfg.tau_edit,
                       cfg.num_to_transfer)
     ops = torch.where(dele, DEL, torch.where(ins, INS, torch.where(base.m2t | base.t2t, SUB, KEEP)))

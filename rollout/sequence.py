@@ -29,6 +29,7 @@ class Sequence:
     prompt: list[int]
     generator: torch.Generator | None = None
     env: object | None = None  # an environment (reset/step) for a multi-turn rollout; None: single-turn
+    max_new: int = 0  # single-turn: generated positions after the prompt (DecodeConfig.max_new_tokens by default)
     status: str = QUEUED
     slot: int | None = None
     start: int = 0  # first writable position of the current turn

@@ -58,18 +58,19 @@ def static_forward(engine, ready: list) -> list:
         return ready
     st, B, dev = engine.static, engine.max_batch, engine.device
     by_slot = {s.slot: s for s in blocks}
-    host = [[0, 0, 0, False] for _ in range(B)]  # block, start, forwards, active
+    host = [[0, 0, 0, 0, False] for _ in range(B)]  # block, start, limit, forwards, active
     for r, s in by_slot.items():
-        host[r] = [s.block, s.start, s.forwards, True]
-    block, start, forwards = (torch.tensor([h[i] for h in host], device=dev) for i in range(3))
-    active = torch.tensor([h[3] for h in host], device=dev)
+        host[r] = [s.block, s.start, s.max_new, s.forwards, True]
+    block, start, limit, forwards = (torch.tensor([h[i] for h in host], device=dev) for i in range(4))
+    active = torch.tensor([h[4] for h in host], device=dev)
     cfg = engine.cfg
     noise = torch.zeros(1, 1, 1, device=dev)
     if cfg.temperature > 0:
         gens = [by_slot[r].generator if r in by_slot else None for r in range(B)]
         noise = draw_noise(gens, [r in by_slot for r in range(B)], (engine.K, engine.model.config.vocab_size), dev)
     sl = engine.slots
-    outcome, cur = st.step(sl.canvas, sl.trace, sl.post_steps, sl.block_iters, block, start, forwards, active, noise)
+    outcome, cur = st.step(sl.canvas, sl.trace, sl.post_steps, sl.block_iters, block, start, limit, forwards,
+                           active, noise)
     engine.num_forwards += 1
     engine.row_forwards += len(blocks)
     rows = outcome.tolist()  # the one host synchronisation of the iteration

@@ -352,11 +352,23 @@ class LLaDA2MoeDecoderLayer(nn.Module):
         else:
             self.mlp = LLaDA2MoeSparseMoeBlock(config)
 
-    def forward(self, x, position_ids, keep_mask, cache=None, units=None):
-        """units (B, L): routing units of the tokens, used by a block-routed MoE layer (dense layers ignore it)."""
+    def forward(self, x, position_ids, keep_mask, cache=None, units=None, token_mask=None):
+        """units (B, L): routing units of the tokens, used by a block-routed MoE layer (dense layers ignore it).
+        token_mask (B, L) bool: only these tokens go through the MLP (padding slots of a decode layout get a
+        zero update): the MLP is per token, so the real tokens' values are the same, without the padding's cost."""
         x = x + self.attention(self.input_layernorm(x), position_ids, keep_mask, cache)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, units) if isinstance(self.mlp, LLaDA2MoeSparseMoeBlock) else self.mlp(h))
+        if token_mask is None:
+            return x + self._mlp(h, units)
+        u = None
+        if units is not None:  # renumbered 0..U'-1 over the kept tokens (block_pool sizes its table by token count)
+            u = units[token_mask]
+            u = torch.cat([u.new_zeros(1), (u[1:] != u[:-1]).long().cumsum(0)])[: u.numel()]
+        packed = self._mlp(h[token_mask][None], None if u is None else u[None])[0]
+        return x + torch.zeros_like(h).index_put_((token_mask,), packed)
+
+    def _mlp(self, h, units):
+        return self.mlp(h, units) if isinstance(self.mlp, LLaDA2MoeSparseMoeBlock) else self.mlp(h)
 
 
 @dataclass
@@ -425,7 +437,7 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         self.word_embeddings = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
-                inputs_embeds=None, cache_rows=None, **kwargs) -> torch.Tensor:
+                inputs_embeds=None, cache_rows=None, token_mask=None, **kwargs) -> torch.Tensor:
         """Returns the final-normed hidden states (B, L, hidden). See LLaDA2MoeModelLM.forward."""
         cache = _cache_argument(cache, kwargs)
         x = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
@@ -451,7 +463,7 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
                 else:
                     x = fn(layer.__call__, x, position_ids, keep, None, units)
             else:
-                x = layer(x, position_ids, keep, cache, units)
+                x = layer(x, position_ids, keep, cache, units, token_mask)
         return self.norm(x)
 
     def _keep_mask(self, attention_mask, B, L, device, cache, cache_rows):
@@ -513,7 +525,7 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel):
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: BlockKVCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, cache_rows=None, return_logits: bool = True,
-                **kwargs) -> LLaDA2MoeOutput:
+                token_mask: torch.Tensor | None = None, **kwargs) -> LLaDA2MoeOutput:
         """Score `input_ids` (B, L).
 
         attention_mask: None (block-causal over the input with `config.block_size`), a 2-D (B, L) padding
@@ -525,9 +537,11 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel):
             `cache.commit(n)`. `cache_rows` picks the cache rows this batch maps to. The old keyword
             `past_key_values=` is still accepted with a FutureWarning (transformers 5.24 renamed it `cache`).
         return_logits: False skips the LM head (the learner gathers positions first).
+        token_mask: optional (B, L) bool, False on padding slots whose outputs nobody reads (a decode layout's
+            right padding): their MLP work is skipped (their hidden states are then meaningless).
         """
         cache = _cache_argument(cache, kwargs)
-        h = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds, cache_rows)
+        h = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds, cache_rows, token_mask)
         logits = self.lm_head(h).float() if return_logits else None
         return LLaDA2MoeOutput(logits=logits, last_hidden_state=h, cache=cache)
 

@@ -64,10 +64,10 @@ def reference_decode(model, prompt, K, M, tau_mask, tau_edit, max_post_steps=16,
             stats["forwards"] += 1
             iters += 1
             ops = {}  # position -> "del" / "ins": the most confident max_lev_edits, one per position
-            if lev:
+            if lev and iters < K + max_post_steps + 1:  # from the forward cap on: no operation
                 want = []
                 for i in range(max(lo, P), hi):
-                    if x[i] == mask_id:  # only written tokens are deleted or get a slot before them
+                    if all(x[j] == mask_id for j in range(i, hi)):  # a [MASK] with only [MASK]s after it: no-op
                         continue
                     pd, pi = eprob[i]
                     if on_d and pd > tau_delete and pd >= (pi if on_i else -1.0):
@@ -104,9 +104,9 @@ def reference_decode(model, prompt, K, M, tau_mask, tau_edit, max_post_steps=16,
             left = sum(1 for i in range(lo, hi) if i >= P and x[i] == mask_id)
             if not masks and not delta and not ops:
                 break
-            if left == 0 and (post >= max_post_steps or not editing):
+            if left == 0 and (post >= max_post_steps or not (editing or lev)):
                 break
-            if iters >= K + max_post_steps + 1:
+            if iters >= K + max_post_steps + 1 and left == 0:  # the cap never commits a [MASK]
                 break
         if mbe_window and b > first:
             ws = max(first, b - mbe_window)

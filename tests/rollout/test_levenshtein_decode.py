@@ -34,7 +34,8 @@ def _outs(model, cfg, prompts=PROMPTS, **kw):
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("overrides", [dict(tau_delete=0.2, tau_insert=0.2), dict(tau_delete=0.1, tau_insert=None),
                                        dict(tau_delete=None, tau_insert=0.1, max_lev_edits=1),
-                                       dict(tau_delete=0.15, tau_insert=0.15, tau_edit=0.0, max_lev_edits=3)])
+                                       dict(tau_delete=0.15, tau_insert=0.15, tau_edit=0.0, max_lev_edits=3),
+                                       dict(tau_delete=0.15, tau_insert=0.1, tau_edit=None)])
 def test_levenshtein_decoder_matches_reference(lev_model, overrides, use_cache):
     cfg = DecodeConfig.preset("quality", max_new_tokens=19, use_cache=use_cache, stop_at_eos=False, **overrides)
     K = lev_model.config.block_size
@@ -119,3 +120,66 @@ def test_pre_edit_drafts_are_recorded_for_l_ebpo(lev_model):
         ids = torch.tensor([p + o.token_ids + o.tail_ids])
         drafts = drafts_from_rollouts(ids, torch.tensor([len(p)]), [o.lev_drafts], K)
         assert drafts.shape == ids.shape
+
+
+def _label_eprob(ops, K):
+    """Edit probabilities that ask for exactly the labelled DELETE / INSERT positions (0.95 there, 0.01 elsewhere)."""
+    from ebpo.core.levenshtein import DEL, INS
+
+    e = torch.full((ops.shape[0], K, 2), 0.01)
+    e[..., 0] = torch.where(ops == DEL, 0.95, 0.01)
+    e[..., 1] = torch.where(ops == INS, 0.95, 0.01)
+    return e
+
+
+def test_the_decoder_applies_every_labelled_operation_but_the_no_ops():
+    """Where the LCS labels SFT trains on put DELETE or INSERT, a model that predicts them gets them applied,
+    [MASK] positions included (about 1 in 3 INSERT labels sit on one); only a [MASK] followed by nothing but
+    [MASK]s is skipped (there both are no-ops). Random drafts against random targets, many shapes."""
+    from ebpo.core.levenshtein import DEL, INS, lcs_labels
+    from rollout.levenshtein import levenshtein_block_step
+
+    g = torch.Generator().manual_seed(0)
+    mask_id, K, B = 1, 8, 400
+    cfg = DecodeConfig.preset("quality", tau_delete=0.5, tau_insert=0.5, max_lev_edits=K)
+    target = torch.randint(2, 6, (B, K), generator=g)
+    draft = torch.randint(2, 6, (B, K), generator=g)
+    draft = draft.masked_fill(torch.rand(B, K, generator=g) < 0.3, mask_id)
+    ops, _ = lcs_labels(draft, target, mask_id)
+    protected = torch.zeros(B, K, dtype=torch.bool)
+    tok, prob = torch.full((B, K), 2), torch.zeros(B, K)
+    step = levenshtein_block_step(tok, prob, _label_eprob(ops, K), draft, protected, mask_id, cfg)
+    is_mask = draft == mask_id
+    trailing = torch.tensor([[all(draft[b, j] == mask_id for j in range(i, K)) for i in range(K)] for b in range(B)])
+    for code in (DEL, INS):
+        want = (ops == code) & ~trailing
+        assert torch.equal(step.ops == code, want)
+        assert bool((want & is_mask).any())  # the class this pins: labelled operations on [MASK] positions
+    # the worked example: draft "3?+2_=6 " (? an inserted token, _ a [MASK]) against "3+2+1=6 "
+    d = torch.tensor([[3, 9, 4, 2, mask_id, 5, 6, 7]])
+    t = torch.tensor([[3, 4, 2, 4, 8, 5, 6, 7]])
+    ex_ops, _ = lcs_labels(d, t, mask_id)
+    ex = levenshtein_block_step(torch.full((1, K), 2), torch.zeros(1, K), _label_eprob(ex_ops, K), d,
+                                torch.zeros(1, K, dtype=torch.bool), mask_id, cfg)
+    assert int(ex_ops[0, 1]) == DEL and int(ex_ops[0, 4]) == INS
+    assert torch.equal(ex.ops == DEL, ex_ops == DEL) and torch.equal(ex.ops == INS, ex_ops == INS)
+
+
+@pytest.mark.parametrize("max_post_steps", [0, 1, 3])
+def test_no_mask_is_ever_committed_or_returned(max_post_steps):
+    """A policy that inserts often, blocks that reach their forward cap right after an operation: the output and
+    the canvas tail the learner scores never hold [MASK], greedy and sampled, with the cache or without."""
+    from collections import Counter
+
+    model = _lev_model(boost=14.0)
+    mask_id, K = model.config.mask_token_id, model.config.block_size
+    per_block: Counter = Counter()
+    for temp, cache in [(0.0, True), (1.0, True), (1.0, False)]:
+        cfg = DecodeConfig.preset("speed", max_new_tokens=24, temperature=temp, tau_delete=0.05, tau_insert=0.02,
+                                  max_lev_edits=3, max_post_steps=max_post_steps, stop_at_eos=False, use_cache=cache)
+        outs = generate(model, PROMPTS, cfg, seeds=[1, 2, 3, 4],
+                        on_step=lambda ev, t=temp, c=cache: per_block.update([(t, c, ev.seq, ev.block)]))
+        for o in outs:
+            assert mask_id not in o.token_ids and mask_id not in o.tail_ids
+        assert sum(o.num_inserts for o in outs) > 0
+    assert max(per_block.values()) >= K + max_post_steps + 1  # some block ran into its forward cap
