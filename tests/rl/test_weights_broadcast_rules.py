@@ -1,0 +1,233 @@
+"""PolicyWeights in broadcast mode (ebpo/rl/weights.py), against fakes of Ray, the learner and the rollout workers
+that record every call: the group is formed with the documented ranks and device; a sync broadcasts the next
+version to every member; a worker restarted since the group formed, a failed broadcast or a group that cannot form
+makes that sync use the object store and re-forms the group; after MAX_BROADCAST_FAILURES failures in a row the run
+stays on the object store (issue 40: the broadcast paths had no test outside a Ray cluster)."""
+import types
+
+import pytest
+
+from ebpo.rl.weights import PolicyWeights, brief
+
+
+class Ref:
+    """What a fake `.remote()` returns: a value, or an exception that `ray.get` raises."""
+
+    def __init__(self, value=None, error=None):
+        self.value, self.error = value, error
+
+
+class FakeRay:
+    def __init__(self):
+        self.waits = []
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        self.waits.append((len(refs), num_returns, timeout))
+        return refs, []
+
+    def get(self, ref):
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+
+class Method:
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def remote(self, *args):
+        return self.owner.answer(self.name, args)
+
+
+class Handle:
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, name):
+        return Method(self.worker, name)
+
+
+class Worker:
+    def __init__(self, log, i):
+        self.log, self.i, self.restarts, self.fail = log, i, 0, {}
+        self.handle = Handle(self)
+
+    def answer(self, name, args):
+        self.log.append((f"w{self.i}", name, args))
+        return Ref(None, self.fail.get(name))
+
+    def submit(self, method, *args):
+        self.log.append((f"w{self.i}", method, args))
+        return method
+
+    def result(self, ticket):
+        return None
+
+
+class Learner:
+    def __init__(self, log):
+        self.log, self.fail, self.parts = log, {}, 0
+
+    def _call(self, name, args, value=None):
+        self.log.append(("learner", name, args))
+        return Ref(value, self.fail.get(name))
+
+    def weight_parts(self, bucket_bytes):
+        self.parts += 1
+        self.log.append(("learner", "weight_parts", (bucket_bytes,)))
+        return f"parts{self.parts}"
+
+    def sync_endpoint(self):
+        return self._call("sync_endpoint", (), ("10.0.0.1", 4242))
+
+    def join_sync_group(self, *args):
+        return self._call("join_sync_group", args)
+
+    def broadcast_weights(self, version, bucket_bytes):
+        return self._call("broadcast_weights", (version, bucket_bytes), {"bytes": 1000 * version, "buckets": 3})
+
+    def close_sync_group(self):
+        return self._call("close_sync_group", ())
+
+
+def make(n_workers=2, learner_gpus=0, rollout_gpus=0, bucket_mb=0.5):
+    log, events = [], []
+    cfg = types.SimpleNamespace(weight_sync="broadcast", bucket_mb=bucket_mb, sync_timeout_s=7.0,
+                                learner_gpus=learner_gpus, rollout_gpus=rollout_gpus)
+    ray = FakeRay()
+    pw = PolicyWeights(ray, cfg, events.append)
+    learner, workers = Learner(log), [Worker(log, i) for i in range(n_workers)]
+    pw.attach(learner, workers)
+    return pw, log, events, learner, workers, ray
+
+
+def calls(log, name):
+    return [(who, args) for who, n, args in log if n == name]
+
+
+@pytest.mark.parametrize("n_workers", [1, 3])
+@pytest.mark.parametrize("gpus,device", [((0, 0), "cpu"), ((1, 0), "cpu"), ((0, 1), "cpu"), ((0.5, 1), "cpu"),
+                                         ((1, 1), "cuda"), ((2, 1), "cuda")])
+def test_attach_forms_the_group_learner_rank_0_workers_after_it(n_workers, gpus, device):
+    pw, log, events, learner, workers, ray = make(n_workers, *gpus)
+    n = n_workers + 1
+    assert calls(log, "ping") == [(f"w{i}", ()) for i in range(n_workers)]  # dead workers restarted first
+    assert calls(log, "join_sync_group") == [("learner", ("10.0.0.1", 4242, n, 7.0, device))] + [
+        (f"w{i}", ("10.0.0.1", 4242, i + 1, n, 7.0, device)) for i in range(n_workers)]
+    # the group is closed on every member first, waiting at most 60 s
+    assert calls(log, "close_sync_group")[0] == ("learner", ()) and len(calls(log, "close_sync_group")) == n
+    assert ray.waits[0] == (n, n, 60)
+    assert pw.group_restarts == [0] * n_workers and not events and pw.broadcast_failures == 0
+
+
+@pytest.mark.parametrize("bucket_mb,bucket_bytes", [(0.5, 2**19), (1.0, 2**20), (1e-9, 1)])
+def test_a_sync_broadcasts_the_next_version_to_every_member(bucket_mb, bucket_bytes):
+    pw, log, events, learner, workers, ray = make(bucket_mb=bucket_mb)
+    for v in (1, 2, 3):
+        del log[:]
+        m = pw.sync()
+        assert pw.version == v
+        assert m == {"sync/bytes": float(1000 * v), "sync/buckets": 3.0}
+        assert calls(log, "broadcast_weights") == [("learner", (v, bucket_bytes))]
+        assert calls(log, "receive_weights") == [("w0", (v,)), ("w1", (v,))]
+        assert not calls(log, "load_weights") and not calls(log, "weight_parts")  # no object store
+    assert not events and pw.broadcast_failures == 0
+
+
+def test_a_worker_restarted_since_the_group_formed_falls_back_and_reforms():
+    pw, log, events, learner, workers, ray = make()
+    workers[1].restarts = 1
+    del log[:]
+    m = pw.sync()
+    assert m == {"sync/bytes": 0.0, "sync/buckets": 0.0}
+    assert not calls(log, "broadcast_weights")
+    assert calls(log, "load_weights") == [("w0", ("parts1", 1)), ("w1", ("parts1", 1))]  # the object store
+    assert len(events) == 1 and "restarted" in events[0] and "v1" in events[0]
+    assert pw.group_restarts == [0, 1]  # re-formed with the new member
+    assert pw.restart_weights() == {"weights": "parts2", "weights_version": 1}  # asks the learner
+    assert pw.broadcast_failures == 0
+    del log[:]
+    assert pw.sync()["sync/buckets"] == 3.0  # the next sync broadcasts again
+
+
+@pytest.mark.parametrize("who", ["learner", "w0", "w1"])
+def test_a_failed_broadcast_counts_falls_back_and_reforms(who):
+    pw, log, events, learner, workers, ray = make()
+    target = learner if who == "learner" else workers[int(who[1])]
+    target.fail["broadcast_weights" if who == "learner" else "receive_weights"] = RuntimeError("gloo timeout\nmore")
+    m = pw.sync()
+    assert m == {"sync/bytes": 0.0, "sync/buckets": 0.0} and pw.broadcast_failures == 1
+    assert calls(log, "load_weights")[-2:] == [("w0", ("parts1", 1)), ("w1", ("parts1", 1))]
+    assert any("broadcast failed (RuntimeError: gloo timeout)" in e for e in events)
+    target.fail.clear()
+    assert pw.sync()["sync/buckets"] == 3.0 and pw.broadcast_failures == 0  # a success resets the count
+
+
+def test_after_max_failures_in_a_row_the_run_stays_on_the_object_store():
+    pw, log, events, learner, workers, ray = make()
+    learner.fail["broadcast_weights"] = RuntimeError("nccl")
+    for k in range(1, PolicyWeights.MAX_BROADCAST_FAILURES + 1):
+        pw.sync()
+        assert pw.broadcast_failures == k
+    assert any("object store carries the weights for the rest of the run" in e for e in events)
+    learner.fail.clear()
+    del log[:]
+    for v in (4, 5):
+        assert pw.sync() == {"sync/bytes": 0.0, "sync/buckets": 0.0}
+        assert pw.version == v and not calls(log, "broadcast_weights")
+        assert calls(log, "load_weights")[-1] == ("w1", (f"parts{learner.parts}", v))
+        assert pw.restart_weights()["weights_version"] == v
+
+
+def test_a_group_that_cannot_form_is_counted_and_the_next_sync_falls_back():
+    log, events = [], []
+    cfg = types.SimpleNamespace(weight_sync="broadcast", bucket_mb=1.0, sync_timeout_s=5.0, learner_gpus=0,
+                                rollout_gpus=0)
+    pw = PolicyWeights(FakeRay(), cfg, events.append)
+    learner, workers = Learner(log), [Worker(log, 0)]
+    workers[0].fail["join_sync_group"] = OSError("port in use")
+    pw.attach(learner, workers)
+    assert pw.group_restarts is None and pw.broadcast_failures == 1
+    assert len(events) == 1 and "could not form the broadcast group (OSError: port in use)" in events[0]
+    workers[0].fail.clear()
+    m = pw.sync()
+    assert m == {"sync/bytes": 0.0, "sync/buckets": 0.0} and "no weight-sync group" in events[1]
+    assert pw.group_restarts == [0]  # formed this time
+
+
+def test_get_all_waits_for_every_call_then_raises_the_first_error():
+    pw, log, events, learner, workers, ray = make()
+    refs = [Ref(1), Ref(None, ValueError("a")), Ref(3), Ref(None, KeyError("b"))]
+    with pytest.raises(ValueError, match="a"):
+        pw._get_all(refs)
+    assert ray.waits[-1] == (4, 4, None)
+    assert pw._get_all([Ref(1), Ref(2)]) == [1, 2]
+
+
+def test_detach_closes_the_group_and_forgets_the_learners_references():
+    pw, log, events, learner, workers, ray = make()
+    pw.sync()
+    del log[:]
+    pw.detach()
+    assert pw.group_restarts is None and len(calls(log, "close_sync_group")) == 3
+    assert pw.published is None and pw.restart_weights() == {"weights": "parts1", "weights_version": 1}
+
+
+def test_state_restore_reset():
+    pw, *_ = make()
+    pw.sync()
+    pw.sync()
+    assert pw.state() == {"version": 2}
+    pw.restore({"version": "7"})
+    assert pw.version == 7 and pw.state() == {"version": 7}
+    pw.reset()
+    assert pw.version == 0
+
+
+def test_brief_is_type_and_first_nonempty_line_of_the_cause():
+    assert brief(ValueError("\n  first line  \nsecond")) == "ValueError: first line"
+    assert brief(RuntimeError("")) == "RuntimeError: "
+    wrapped = RuntimeError("ray task error")
+    wrapped.cause = KeyError("inner")
+    assert brief(wrapped) == "KeyError: 'inner'"
+    assert brief(OSError("x" * 400)) == "OSError: " + "x" * 300
