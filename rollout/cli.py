@@ -81,8 +81,9 @@ def main(argv: list[str], env_factory=None, multiturn: dict | None = None) -> in
     texts = _prompts(args)
     model, tok = _load(args.model, args.device)
     if args.chat:
-        texts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-                 for t in texts]
+        tools = _env_tools(env_factory) if env_factory is not None else None
+        texts = [tok.apply_chat_template([{"role": "user", "content": t}], tools=tools, add_generation_prompt=True,
+                                         tokenize=False) for t in texts]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     seeds = [args.seed + i for i in range(len(ids))]
 
@@ -106,6 +107,18 @@ def main(argv: list[str], env_factory=None, multiturn: dict | None = None) -> in
             lev = f", deletes {out.num_deletes}, inserts {out.num_inserts}" if config.levenshtein else ""
             print(f"{out.text!r}  (forwards {out.num_forwards}, TPF {out.tpf:.2f}, edits {out.num_edits}{lev})")
     return 0
+
+
+def _env_tools(env_factory) -> list[dict] | None:
+    """The tool specs of the environment `env_factory` builds (`env.specs`, None without tools), for the chat
+    template's `tools=` argument: multi-turn prompts list the tools as RL and `ebpo eval --env` do."""
+    env = env_factory()
+    try:
+        specs = getattr(env, "specs", None)
+        return list(specs) if specs else None
+    finally:
+        if callable(getattr(env, "close", None)):
+            env.close()
 
 
 def _multiturn(args, model, tok, texts, ids, seeds, config, env_factory, multiturn: dict) -> int:

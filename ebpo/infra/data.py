@@ -100,11 +100,22 @@ def _text_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def encode_prompt(tokenizer, text: str, chat_template: bool = True, max_tokens: int | None = None) -> list[int]:
-    """Prompt token ids (chat-templated with the generation prompt when `chat_template`); cut from the left."""
+def tool_specs(env) -> list[dict] | None:
+    """The tool specs of an environment (`env.specs`, the JSON-schema list a `rewards.envs.ToolEnv` has), or None
+    for an environment without tools: what `apply_chat_template(..., tools=...)` renders into a prompt."""
+    specs = getattr(env, "specs", None)
+    return list(specs) if specs else None
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool = True, max_tokens: int | None = None,
+                  tools: list[dict] | None = None) -> list[int]:
+    """Prompt token ids (chat-templated with the generation prompt when `chat_template`); cut from the left.
+
+    tools: the environment's tool specs (`tool_specs`), rendered by the chat template's `tools=` argument as a
+    chat model expects them (multi-turn prompts); None = no tools (the prompt is what it always was)."""
     if chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tools=tools or None,
+                                             add_generation_prompt=True, tokenize=False)
     ids = _text_ids(tokenizer, text)
     return ids[-max_tokens:] if max_tokens else ids
 

@@ -22,7 +22,14 @@ CHARACTERS = ["\n", "\t"] + [chr(c) for c in range(32, 127)]
 DELETE, INSERT = "<|delete|>", "<|insert|>"
 EDIT_TOKENS = (DELETE, INSERT)  # ids 105, 106 (after the characters): delete_token_id / insert_token_id
 
+# Tools (`apply_chat_template(..., tools=specs)`, the JSON-schema list of an environment) open the conversation as a
+# system turn, one tool's `function` object as JSON per line, so the model reads every tool's name, description and
+# parameters; without tools the template renders exactly what it always did. Shipped checkpoints keep the template
+# they were trained with (their folders' own chat_template.jinja, which has no tools: docs/rl.md).
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|system|>' }}{% for tool in tools %}"
+    "{{ (tool.function if tool.function is defined else tool) | tojson }}{% if not loop.last %}{{ '\\n' }}{% endif %}"
+    "{% endfor %}{{ '<|role_end|>' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>' + message['content'] + '<|role_end|>' }}"
     "{% endfor %}"

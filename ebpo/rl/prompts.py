@@ -57,17 +57,20 @@ class PromptSampler:
 
 
 class Prompts:
-    """Encodes and loads prompt rows as `data` says (prompt field, chat template, length limit)."""
+    """Encodes and loads prompt rows as `data` says (prompt field, chat template, length limit).
 
-    def __init__(self, data: DataConfig, tokenizer):
-        self.data, self.tokenizer = data, tokenizer
+    tools: the environment's tool specs (multi-turn RL, `ebpo.infra.data.tool_specs`), rendered into every prompt
+    by the chat template's `tools=` argument (`ebpo.sft.multiturn.encode_messages` takes the same); None = none."""
+
+    def __init__(self, data: DataConfig, tokenizer, tools: list[dict] | None = None):
+        self.data, self.tokenizer, self.tools = data, tokenizer, tools or None
         self.metrics: dict[str, float] = {}  # over-long prompts dropped at load time (data/overlong_*_prompts)
 
     def encode(self, row: dict) -> list[int]:
-        """Token ids of the row's prompt (chat template applied when `data.chat_template`)."""
+        """Token ids of the row's prompt (chat template, with the tools, applied when `data.chat_template`)."""
         text = row[self.data.prompt_field]
         if self.data.chat_template:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tools=self.tools,
                                                       add_generation_prompt=True, tokenize=False)
         # never cut: rows with longer prompts were filtered (or refused) at load time, `load`
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

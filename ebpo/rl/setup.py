@@ -20,6 +20,7 @@ from rewards.envs import EnvLoadError, make_environment
 
 from ebpo.infra.checkpoint import latest_checkpoint
 from ebpo.infra.config import ConfigError, to_dict
+from ebpo.infra.data import tool_specs
 from ebpo.infra.run_config import open_run_dir
 from ebpo.infra.tracking import Tracker
 from ebpo.model.loading import load_model_tokenizer, resolve_model_path
@@ -90,7 +91,8 @@ def check(cfg: RLConfig) -> RLRun:
     for warning in cfg.check_against_model(model_k):  # block sizes, MBE
         log.warning(warning)
     tokenizer = load_model_tokenizer(model_spec)
-    prompts = Prompts(cfg.data, tokenizer)
+    # multi-turn: the environment's tools go into every prompt through the chat template (docs/rl.md)
+    prompts = Prompts(cfg.data, tokenizer, environment_tools(cfg) if cfg.env.multi_turn else None)
     train_rows = prompts.load(cfg.data.train, "train")
     eval_rows = prompts.load(cfg.data.eval, "eval") if cfg.data.eval else []
     if cfg.trainer.eval_size and eval_rows:
@@ -114,17 +116,33 @@ def check(cfg: RLConfig) -> RLRun:
     return run
 
 
-def check_environment(cfg: RLConfig, row: dict) -> None:
-    """Build one environment of `env.name` with `env.kwargs` and reset it on a real row, in-process, before any
-    actor starts: a bad reference, bad keyword arguments or a `reset` that raises stop the run here with
-    one line (`rewards.envs.EnvLoadError`)."""
+def environment_tools(cfg: RLConfig) -> list[dict] | None:
+    """The tool specs of `env.name`'s environment (`ebpo.infra.data.tool_specs`), read from one environment built
+    in-process (a factory that fails stops the run with one line, as in `check_environment`)."""
+    env = _build_environment(cfg)
     try:
-        env = make_environment(cfg.env.name, dict(cfg.env.kwargs))
+        return tool_specs(env)
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
+
+
+def _build_environment(cfg: RLConfig):
+    try:
+        return make_environment(cfg.env.name, dict(cfg.env.kwargs))
     except EnvLoadError:
         raise
     except Exception as err:  # the factory itself failed (bad kwargs, a bug in the user's code)
         raise EnvLoadError(f"env.name = {cfg.env.name!r}: building it with env.kwargs = {dict(cfg.env.kwargs)} "
                            f"failed: {type(err).__name__}: {err}") from None
+
+
+def check_environment(cfg: RLConfig, row: dict) -> None:
+    """Build one environment of `env.name` with `env.kwargs` and reset it on a real row, in-process, before any
+    actor starts: a bad reference, bad keyword arguments or a `reset` that raises stop the run here with
+    one line (`rewards.envs.EnvLoadError`)."""
+    env = _build_environment(cfg)
     try:
         env.reset(row, 0)
     except Exception as err:
