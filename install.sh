@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs ebpo on a fresh machine, from the tested dependency set (requirements/lock.txt) by default.
 #   bash install.sh              core package, every dependency at its locked (tested) version
-#   bash install.sh --test       plus the test tools (pytest, ruff, import-linter), locked as well
+#   bash install.sh --test       plus the test tools (pytest, hypothesis, ruff, import-linter), locked as well
 #   bash install.sh --no-lock    the newest versions pyproject.toml allows instead of the lock, for a
 #                                stack that fixes some versions itself (also EBPO_NO_LOCK=1)
 #   EBPO_KEEP_TORCH=1 bash install.sh   keep the torch already installed (a CUDA build on a GPU machine);

@@ -69,7 +69,6 @@ def configure(work: Path, modules: list[str], tests: list[str], extra_pytest: li
              f"only_mutate = {toml_list(modules)}\n"
              f"pytest_add_cli_args_test_selection = {toml_list(tests)}\n"
              f"pytest_add_cli_args = {toml_list(['-p', 'no:cacheprovider', '-p', 'no:randomly'] + extra_pytest)}\n"
-             'process_isolation = "forkserver"\n'  # torch is not fork-safe once it has run
              "use_git_change_detection = false\n")
     py.write_text(text)
 
