@@ -5,8 +5,13 @@ Levenshtein round then takes a draft of the response, cuts it into the blocks of
 against its target block with `ebpo.core.levenshtein.lcs_labels` (a draft [MASK] matches any target token) and
 runs one `[draft ; clean]` forward whose loss is the cross-entropy of the label ids at the response positions:
 x_i (keep, weighted by `keep_weight` like the T2T keep term), the target token (substitute or fill), DELETE or
-INSERT. The next round's draft is this draft after the model's own argmax edits (`ops_from_ids` + `apply_ops`,
-no gradient), so later rounds see the states the decoder meets and recompute the labels from them.
+INSERT. The next round's draft is this draft after the model's own edits (no gradient), so later rounds see the
+states the decoder meets and recompute the labels from them. Which edits is the caller's `next_draft`: by default
+(None) the argmax at every editable position (`ops_from_ids` + `apply_ops`: every position rewritten, every
+DELETE / INSERT argmax applied); `ebpo.sft.lev_draft` passes one that applies the decoder's thresholds instead
+(one block step of `rollout.levenshtein` per block, with the recipe's tau_mask, tau_edit, tau_delete, tau_insert,
+max_lev_edits). Each block of the draft is then one active block of the decoder: the `[draft ; clean]` forward
+shows it the target's earlier blocks, as the decoder shows it the committed ones.
 
 Drafts of the first Levenshtein round (`lev_source`):
 
@@ -22,12 +27,18 @@ anchors and are labelled keep, and they carry no loss. Randomness comes only fro
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.nn.functional as F
 
 from ebpo.core.levenshtein import apply_ops, label_ids, lcs_labels, ops_from_ids
 
 LEV_SOURCES = ("corrupt", "model", "mixed")
+
+# (draft (B, L) long, logits (N, V) fp32 of the N editable positions in row-major order, detached, editable (B, L)
+# bool, block size K) -> the next round's draft (B, L) long; it must leave the non-editable positions as they are
+NextDraft = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def corrupt_blocks(clean: torch.Tensor, editable: torch.Tensor, block_size: int, mask_id: int, rate: float,
@@ -97,6 +108,14 @@ def lev_round(model, lm_head, draft, clean, editable, block_size, mask_id, delet
     loss = sum over editable positions of w_i * CE(label_i) / number of editable positions, w = keep_weight where
     the label is keep (the draft's own token), edit_weight where it is DELETE or INSERT, 1 elsewhere.
     """
+    loss, metrics, pred, _ = _lev_round(model, lm_head, draft, clean, editable, block_size, mask_id, delete_id,
+                                        insert_id, keep_weight, edit_weight)
+    return loss, metrics, pred
+
+
+def _lev_round(model, lm_head, draft, clean, editable, block_size, mask_id, delete_id, insert_id, keep_weight,
+               edit_weight):
+    """`lev_round`, plus the detached fp32 logits (N, V) of the N editable positions (row-major), for `next_draft`."""
     from ebpo.core.objectives import noisy_half_hidden
 
     labels = block_labels(draft, clean, block_size, mask_id, delete_id, insert_id)
@@ -118,16 +137,20 @@ def lev_round(model, lm_head, draft, clean, editable, block_size, mask_id, delet
         metrics = {"lev_deletes": float(is_del.sum()), "lev_inserts": float(is_ins.sum()),
                    "lev_acc_edit": float((p[is_del | is_ins] == target[is_del | is_ins]).float().mean())
                    if bool((is_del | is_ins).any()) else float("nan")}
-    return loss, metrics, pred
+    return loss, metrics, pred, logits.detach()
 
 
 def levenshtein_loss(model, lm_head, clean: torch.Tensor, response_mask: torch.Tensor, first_draft: torch.Tensor,
                      cfg, block_size: int, mask_id: int, delete_id: int, insert_id: int, allowed_ids: torch.Tensor,
-                     generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+                     generator: torch.Generator, next_draft: Optional[NextDraft] = None) -> tuple[torch.Tensor, dict]:
     """Mean loss of `cfg.lev_rounds` Levenshtein rounds (module docstring) and `loss/lev*` metrics.
 
     clean, response_mask (B, L); first_draft (B, L): the first round's draft (`mixture_loss`'s third output);
     cfg: the `ObjectiveConfig` (lev_source, lev_rate, lev_rounds, lev_fraction, keep_weight).
+    next_draft: builds each later round's draft from this round's (`NextDraft`: draft (B', L), detached fp32
+    logits (N, V) of its N editable positions, editable (B', L) bool, block_size -> (B', L) long; B' the rows
+    that take the rounds); None = the argmax at every editable position (`apply_predictions`). It runs under
+    no_grad and draws nothing from `generator`, so the rounds' randomness is the same either way.
     """
     B = clean.shape[0]
     n_rows = max(1, round(cfg.lev_fraction * B))
@@ -145,12 +168,18 @@ def levenshtein_loss(model, lm_head, clean: torch.Tensor, response_mask: torch.T
     total = clean.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     for r in range(cfg.lev_rounds):
-        loss, m, pred = lev_round(model, lm_head, draft, clean, editable, block_size, mask_id, delete_id, insert_id,
-                                  cfg.keep_weight, cfg.lev_edit_weight)
+        loss, m, pred, logits = _lev_round(model, lm_head, draft, clean, editable, block_size, mask_id, delete_id,
+                                           insert_id, cfg.keep_weight, cfg.lev_edit_weight)
         total = total + loss / cfg.lev_rounds
         metrics[f"loss/lev_round{r + 1}"] = float(loss.detach())
         for k, v in m.items():
             metrics[f"lev/{k}_round{r + 1}"] = v
-        draft = apply_predictions(draft, pred, block_size, mask_id, delete_id, insert_id, editable)
+        if r + 1 == cfg.lev_rounds:  # the last round's edits would feed no round (and draw nothing: skipping is exact)
+            break
+        if next_draft is None:
+            draft = apply_predictions(draft, pred, block_size, mask_id, delete_id, insert_id, editable)
+        else:
+            with torch.no_grad():
+                draft = next_draft(draft, logits, editable, block_size)
     metrics["loss/lev"] = float(total.detach())
     return total, metrics

@@ -1,16 +1,20 @@
 """Typed configuration of a CPT/SFT recipe: `ebpo train recipes/{sft,cpt}_*.yaml key=value ...`.
 
 Sections: `model`, `data`, `objective` (`ebpo.core.objectives.ObjectiveConfig`), `optim`, `lora`, `eval`,
-`trainer`. `ebpo train recipes/sft_tiny.yaml --help` lists every key with its documentation.
+`lev_draft` (the decoder rules of the Levenshtein rounds' next drafts), `trainer`.
+`ebpo train recipes/sft_tiny.yaml --help` lists every key with its documentation.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from ebpo.infra.lora import LoraSection  # noqa: F401 (the `lora` section; re-exported)
 from ebpo.infra.config import doc
 from ebpo.core.objectives import ObjectiveConfig
+
+if TYPE_CHECKING:
+    from rollout.config import DecodeConfig
 
 
 @dataclass
@@ -66,6 +70,57 @@ class EvalSection:
     loss_rows: int = doc("held-out rows for the fixed-noise eval loss (0 = off)", 256)
 
 
+# the DecodeConfig fields that `lev_draft.decode` may set: the others (max_new_tokens, sampling, MBE, ...) do not
+# change one greedy block step, and a key that would be silently ignored is refused instead
+DRAFT_DECODE_KEYS = ("tau_mask", "tau_edit", "num_to_transfer")
+
+
+@dataclass
+class LevDraftSection:
+    preset: Optional[str] = doc(
+        "decoder rules for the next Levenshtein round's draft (objective.lev_rounds >= 2; ebpo/sft/lev_draft.py): "
+        "the decode preset (quality, speed, m2t) whose tau_mask / tau_edit / num_to_transfer it applies, with "
+        "tau_delete / tau_insert / max_lev_edits below; null = the model's argmax at every editable position "
+        "(before issue 35: every position rewritten, every DELETE / INSERT argmax applied)", "quality")
+    tau_delete: Optional[float] = doc("p(DELETE) threshold of the draft (the decoder's tau_delete; strict); null or "
+                                      "negative = no DELETE", 0.5)
+    tau_insert: Optional[float] = doc("p(INSERT) threshold of the draft (the decoder's tau_insert; strict); null or "
+                                      "negative = no INSERT", 0.5)
+    max_lev_edits: int = doc("at most this many DELETE / INSERT per block of the draft (the most confident; the "
+                             "decoder's max_lev_edits)", 2)
+    decode: dict = doc(f"overrides of the preset's {', '.join(DRAFT_DECODE_KEYS)} (DecodeConfig fields), e.g. "
+                       "{tau_edit: 0.3}", default_factory=dict)
+
+    def decode_config(self) -> Optional[DecodeConfig]:
+        """The `DecodeConfig` whose thresholds build the draft, or None (argmax draft). Raises ValueError naming
+        the `lev_draft` key that is unknown or out of range."""
+        from rollout.config import PRESETS, DecodeConfig  # only where a recipe has the section checked
+
+        if self.preset is None:
+            return None
+        if self.preset not in PRESETS:
+            raise ValueError(f"lev_draft.preset: unknown preset {self.preset!r}; choose one of {sorted(PRESETS)} "
+                             "or null (argmax draft)")
+        for key in self.decode:
+            if key not in DRAFT_DECODE_KEYS:
+                where = "set lev_draft." + key if key in ("tau_delete", "tau_insert", "max_lev_edits") else \
+                    "it does not change one greedy block step"
+                raise ValueError(f"lev_draft.decode.{key}: not allowed ({where}); allowed keys: "
+                                 f"{list(DRAFT_DECODE_KEYS)}")
+        fields = dict(tau_delete=self.tau_delete, tau_insert=self.tau_insert, max_lev_edits=self.max_lev_edits,
+                      **self.decode)
+        for key, value in fields.items():  # DecodeConfig's message names its own field; name the recipe's key
+            try:
+                DecodeConfig.preset(self.preset, **{key: value})
+            except (ValueError, TypeError) as e:
+                name = f"lev_draft.decode.{key}" if key in self.decode else f"lev_draft.{key}"
+                raise ValueError(f"{name}: {e}") from None
+        return DecodeConfig.preset(self.preset, **fields)
+
+    def validate(self):
+        self.decode_config()
+
+
 @dataclass
 class SFTTrainerConfig:
     steps: int = doc("optimizer steps", 1000)
@@ -115,4 +170,6 @@ class SFTConfig:
     optim: OptimConfig = doc("optimizer and schedule", default_factory=OptimConfig)
     lora: LoraSection = doc("optional PEFT LoRA", default_factory=LoraSection)
     eval: EvalSection = doc("periodic held-out evaluation", default_factory=EvalSection)
+    lev_draft: LevDraftSection = doc("decoder thresholds of the Levenshtein rounds' next drafts",
+                                     default_factory=LevDraftSection)
     trainer: SFTTrainerConfig = doc("loop, checkpoints, tracking", default_factory=SFTTrainerConfig)

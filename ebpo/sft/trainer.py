@@ -105,6 +105,13 @@ class SFTTrainer:
         if cfg.objective.lev_weight > 0 and getattr(base.config, "delete_token_id", None) is None:
             raise ValueError("objective.lev_weight: the model's config has no delete_token_id / insert_token_id "
                              "(start from preset:tiny, whose vocabulary names them)")
+        self.lev_next_draft = None  # None: the Levenshtein rounds' next drafts are the argmax (lev_draft.preset null)
+        lev_decode = cfg.lev_draft.decode_config()
+        if cfg.objective.lev_weight > 0 and lev_decode is not None:
+            from ebpo.sft.lev_draft import decoder_next_draft
+
+            self.lev_next_draft = decoder_next_draft(lev_decode, self.mask_id, base.config.delete_token_id,
+                                                     base.config.insert_token_id)
         exclude = set(self.tokenizer.all_special_ids) - {self.tokenizer.eos_token_id} | {self.mask_id}
         # the edit-control tokens (ids that were unused before issue 29) stay allowed substitutes, so the T2T
         # noise of a run is what it was before they were named
@@ -246,7 +253,8 @@ class SFTTrainer:
                                  "objective.lev_weight=0 or train on one rank")
             mc = self.model_config
             lev, m = levenshtein_loss(fwd, self.lm_head, clean, response, draft, ob, self.block_size, self.mask_id,
-                                      mc.delete_token_id, mc.insert_token_id, self.allowed_ids, generator)
+                                      mc.delete_token_id, mc.insert_token_id, self.allowed_ids, generator,
+                                      next_draft=self.lev_next_draft)
             loss = loss + ob.lev_weight * lev
             metrics.update(m, **{"loss/total": float(loss.detach())})
         return loss, metrics, draft
