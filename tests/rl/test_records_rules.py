@@ -160,6 +160,7 @@ def test_weights_record_is_version_and_ref():
 def test_rollout_sample_refuses_each_bad_field_by_name():
     ok = dict(token_ids=[1, 2], text="t", num_forwards=1, tpf=2.0, num_edits=0, finished_by_eos=True)
     RolloutSample(**ok)
+    RolloutSample(**{**ok, "num_forwards": 0, "num_edits": 0})  # zero is a count; only negative ones are refused
     for bad, pattern in [({"token_ids": (1, 2)}, r"^RolloutSample\.token_ids: expected a list of token ids$"),
                          ({"token_ids": [1, 2.0]}, r"^RolloutSample\.token_ids: expected a list of token ids$"),
                          ({"text": b"t"}, r"^RolloutSample\.text: expected a string, got bytes$"),

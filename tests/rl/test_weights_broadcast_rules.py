@@ -58,9 +58,11 @@ class Worker:
 
     def submit(self, method, *args):
         self.log.append((f"w{self.i}", method, args))
-        return method
+        return ("ticket", method, args)
 
     def result(self, ticket):
+        assert ticket[0] == "ticket", ticket  # the ticket submit gave for this call
+        self.log.append((f"w{self.i}", "result", ticket[1:]))
         return None
 
 
@@ -231,3 +233,72 @@ def test_brief_is_type_and_first_nonempty_line_of_the_cause():
     wrapped.cause = KeyError("inner")
     assert brief(wrapped) == "KeyError: 'inner'"
     assert brief(OSError("x" * 400)) == "OSError: " + "x" * 300
+
+
+def test_every_weight_read_asks_for_the_configured_bucket_size():
+    for bucket_mb, bucket_bytes in [(0.25, 2**18), (2.0, 2**21)]:
+        pw, log, events, learner, workers, ray = make(bucket_mb=bucket_mb)
+        workers[0].restarts = 1  # the sync falls back to the object store
+        pw.sync()
+        pw.restart_weights()  # broadcast mode: asks the learner
+        pw.current()
+        sizes = [args for who, args in calls(log, "weight_parts")]
+        assert len(sizes) == 3 and all(a == (bucket_bytes,) for a in sizes)
+
+
+def test_the_ping_before_forming_waits_on_each_workers_own_call():
+    pw, log, events, learner, workers, ray = make(3)
+    assert [(who, args) for who, args in calls(log, "result") if args[0] == "ping"] == [
+        (f"w{i}", ("ping", ())) for i in range(3)]
+
+
+def test_a_failing_learner_join_or_endpoint_fails_the_formation_and_failures_add_up():
+    for method in ("join_sync_group", "sync_endpoint"):
+        log, events = [], []
+        cfg = types.SimpleNamespace(weight_sync="broadcast", bucket_mb=1.0, sync_timeout_s=5.0, learner_gpus=0,
+                                    rollout_gpus=0)
+        pw = PolicyWeights(FakeRay(), cfg, events.append)
+        learner, workers = Learner(log), [Worker(log, 0), Worker(log, 1)]
+        learner.fail[method] = TimeoutError("store")
+        pw.attach(learner, workers)
+        assert pw.group_restarts is None and pw.broadcast_failures == 1
+        pw.sync()  # no group: object store, and the re-formation fails again
+        assert pw.broadcast_failures == 2 and pw.group_restarts is None
+        assert events[-1] == ("weight sync: could not form the broadcast group (TimeoutError: store); the next sync "
+                              "uses the object store and tries again")
+
+
+def test_the_fall_back_event_says_why_and_what_happens():
+    pw, log, events, learner, workers, ray = make()
+    pw.close_group()  # no group now
+    pw.sync()
+    workers[1].restarts = 2
+    pw.sync()
+    assert events == [
+        "weight sync v1: no weight-sync group; using the object store for this sync and re-forming the broadcast group",
+        "weight sync v2: a rollout worker was restarted since the weight-sync group was formed; using the object "
+        "store for this sync and re-forming the broadcast group"]
+
+
+def test_once_on_the_object_store_a_sync_says_nothing_and_tries_no_group():
+    pw, log, events, learner, workers, ray = make()
+    learner.fail["broadcast_weights"] = RuntimeError("nccl")
+    for _ in range(PolicyWeights.MAX_BROADCAST_FAILURES):
+        pw.sync()
+    learner.fail.clear()
+    n_events = len(events)
+    del log[:]
+    pw.sync()
+    assert len(events) == n_events  # no fall-back, no re-formation: it simply stays there
+    assert not calls(log, "join_sync_group") and not calls(log, "close_sync_group")
+
+
+def test_published_starts_as_nothing_and_holding_it_loads_nothing():
+    pw, log, events, learner, workers, ray = make()
+    assert pw.published is None
+    del log[:]
+    with pw.holding(pw.published):
+        pass
+    assert not calls(log, "load_weights")
+    w = pw.current()
+    assert w.ref == "parts1" and pw.publish().ref == "parts2" and pw.published.version == 1
