@@ -22,6 +22,7 @@ import collections
 import datetime
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -130,7 +131,12 @@ def report(work: Path, modules: list[str], tests: dict[str, list[str]], out: Pat
         if not survivors.get(mod):
             continue
         lines += ["", f"## Survivors of {mod}", ""]
+        unchecked = [n for n in survivors[mod] if status[n] in ("not checked", "skipped")]
+        if unchecked:  # the run stopped before them: no diff, just how many
+            lines += [f"{len(unchecked)} mutants not checked (the run was stopped or skipped them).", ""]
         for name in survivors[mod]:
+            if name in unchecked:
+                continue
             tag = f" — **equivalent**: {equiv[name]}" if name in equiv else ""
             lines.append(f"### `{name}` ({status[name]}){tag}")
             diff = subprocess.run(["mutmut", "show", name], cwd=work, capture_output=True, text=True).stdout
@@ -171,7 +177,7 @@ def main() -> int:
         if not work.exists():
             work.mkdir(parents=True)
             copy_tree(work)
-        configure(work, modules, all_tests, a.pytest_args.split())
+        configure(work, modules, all_tests, shlex.split(a.pytest_args))
         t0 = time.monotonic()
         env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
         rc = subprocess.run(["mutmut", "run", "--max-children", str(a.jobs)], cwd=work, env=env).returncode
