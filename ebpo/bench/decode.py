@@ -206,6 +206,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--block-routing", default=None, metavar="C,C,...",
                    help="instead of the usual rows: decode at these block-routing capacities (0 = off, e.g. 0,12) "
                         "with the first of --presets, batch 1 and --batch, and print tokens/s and experts per block")
+    p.add_argument("--rl-workload", action="store_true",
+                   help="instead of the usual rows: an RL-like workload (G samples per prompt at temperature 1, one "
+                        "in eight 4x longer, more sequences than --max-batch) decoded by fixed batches and by the "
+                        "continuous-batching engine; forwards per 1k tokens, rows per forward, CPU tokens/s")
+    p.add_argument("--rl-prompts", type=int, default=16, help="--rl-workload: prompts")
+    p.add_argument("--rl-group", type=int, default=8, help="--rl-workload: samples per prompt")
+    p.add_argument("--rl-short", type=int, default=32, help="--rl-workload: new tokens of a short answer")
+    p.add_argument("--max-batch", type=int, default=16, help="--rl-workload: rows per forward at most")
+    p.add_argument("--repeats", type=int, default=2, help="--rl-workload: alternated runs of each schedule")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     overrides = dict(parse_override(item) for item in a.overrides)
@@ -228,6 +237,8 @@ def main(argv: list[str]) -> int:
     _run(model, prompts[:2], cfg("m2t", True).replace(max_new_tokens=16), seeds[:2], 2)  # warm-up
     if a.block_routing is not None:
         return _block_routing_main(a, model, spec, prompts, seeds, cfg(a.presets.split(",")[0], True))
+    if a.rl_workload:
+        return _rl_workload_main(a, model, spec, cfg)
     rows, released = [], []
     for preset in a.presets.split(","):
         plan = [(1, True), (1, False), (a.batch, True)]
@@ -312,4 +323,25 @@ def _block_routing_main(a, model, spec, prompts, seeds, config) -> int:
                   "prompts": a.prompts or f"random, {a.prompt_len} tokens", "block_routing": rows}
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)
+    return 0
+
+
+def _rl_workload_main(a, model, spec, cfg) -> int:
+    """`--rl-workload`: fixed batches against the engine for every preset (`ebpo.bench.decode_rl`)."""
+    import torch
+
+    from ebpo.bench.decode_rl import print_rl_table, rl_workload_rows
+
+    results = {}
+    for preset in a.presets.split(","):
+        results[preset] = rl_workload_rows(model, cfg(preset, True), n_prompts=a.rl_prompts, group=a.rl_group,
+                                           max_batch=a.max_batch, short=a.rl_short, repeats=a.repeats,
+                                           prompt_len=a.prompt_len)
+        print_rl_table(results[preset], spec, preset)
+    if a.json:
+        out = {"machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "device": a.device,
+                           "torch": torch.__version__}, "model": spec, "load_avg": list(os.getloadavg()),
+               "rl_workload": results}
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
     return 0
