@@ -131,7 +131,14 @@ def test_bf16_first_step_ratio_is_exactly_one_and_finite():
 
     model = _model()
     learner = EBPOLearner(model, LearnerConfig(dtype="bf16", lr=1e-12, n_draws=2, mu=2, minibatch_size=4, seed=0))
-    m = learner.update(_batch(model))
+    try:
+        m = learner.update(_batch(model))
+    except RuntimeError as e:
+        # torch's bf16 GEMM packs for the AVX-512 it finds on the CPU, then refuses because ATEN_CPU_CAPABILITY
+        # forbids AVX-512: a forced combination no CPU has (an AVX2-only CPU takes another path)
+        if "pack_vnni2" in str(e) and os.environ.get("ATEN_CPU_CAPABILITY") in ("default", "avx2"):
+            pytest.skip(f"bf16 GEMM under a forced ATEN_CPU_CAPABILITY below the CPU's own: {e}")
+        raise
     assert m["actor/log_ratio_mean"] == 0.0 and m["actor/log_ratio_max"] == 0.0
     assert all(torch.isfinite(torch.tensor(v)) for v in m.values())
     assert all(torch.isfinite(p).all() for p in model.parameters())
