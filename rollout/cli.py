@@ -128,7 +128,6 @@ def _multiturn(args, model, tok, texts, ids, seeds, config, env_factory, multitu
     mt = MultiTurnConfig(**multiturn)
     envs = [env_factory() for _ in ids]
     prompts = start_episodes(envs, [{"prompt": t} for t in texts], ids, tok, seeds, mt.observation_template)
-    config = dataclasses.replace(config, mbe_window=0, compiled_step=False)
     trajs = generate_multiturn(model, prompts, envs, config, mt, tokenizer=tok,
                                seeds=seeds if config.temperature > 0 else None)
     if args.show:
