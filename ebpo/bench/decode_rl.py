@@ -86,11 +86,14 @@ def rl_workload_rows(model, config, *, n_prompts: int = 8, group: int = 8, max_b
         fw = rs[0]["forwards"]
         out["schedules"][name] = {"forwards": fw, "forwards_per_1k_tokens": 1000 * fw / rs[0]["tokens"],
                                   "mean_rows_per_forward": rs[0]["row_forwards"] / max(fw, 1),
-                                  "tokens_per_s": tokens / wall, "wall_s_per_run": wall / len(rs)}
+                                  "tokens_per_s": tokens / wall, "wall_s_per_run": wall / len(rs),
+                                  "wall_s_runs": [r["wall_s"] for r in rs]}
     f, e = out["schedules"]["fixed"], out["schedules"]["engine"]
     out["token_matches"] = sum(a == b for a, b in zip(runs["fixed"][0]["tokens_ids"], runs["engine"][0]["tokens_ids"]))
     out["ratios"] = {"forwards_fixed_over_engine": f["forwards_per_1k_tokens"] / e["forwards_per_1k_tokens"],
-                     "tokens_per_s_engine_over_fixed": e["tokens_per_s"] / f["tokens_per_s"]}
+                     "tokens_per_s_engine_over_fixed": e["tokens_per_s"] / f["tokens_per_s"],
+                     # per alternation round: the engine's speed over the fixed run just before it (the spread)
+                     "tokens_per_s_per_round": [a / b for a, b in zip(f["wall_s_runs"], e["wall_s_runs"])]}
     return out
 
 
@@ -109,6 +112,8 @@ def print_rl_table(result: dict, spec: str, preset: str) -> None:
                   f"{r['mean_rows_per_forward']:.2f}", f"{r['tokens_per_s']:.1f}")
     Console().print(t)
     ra = result["ratios"]
+    rounds = ", ".join(f"{x:.2f}" for x in ra["tokens_per_s_per_round"])
     Console().print(f"engine: {ra['forwards_fixed_over_engine']:.2f}x fewer forwards per 1k tokens, "
-                    f"{ra['tokens_per_s_engine_over_fixed']:.2f}x the CPU tokens/s; identical tokens for "
+                    f"{ra['tokens_per_s_engine_over_fixed']:.2f}x the CPU tokens/s (per round {rounds}); "
+                    f"identical tokens for "
                     f"{result['token_matches']}/{w['sequences']} sequences")

@@ -123,7 +123,9 @@ class RoutingRecorder:
 
     def _layer_hook(self, i):
         def hook(module, args):
-            self._pos[i] = args[1]
+            # a decode layout with a token mask sends only its real tokens through the experts: keep theirs
+            mask = args[5] if len(args) > 5 else None
+            self._pos[i] = args[1] if mask is None else args[1][mask][None]
         return hook
 
     def _experts_hook(self, i):
