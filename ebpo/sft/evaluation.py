@@ -86,7 +86,8 @@ def score_rows(rows: list[dict], completions: list[str], num_threads: int = 4) -
     def code_one(i: int) -> float:
         if code_fn is None:
             raise RuntimeError("code evaluation needs the rewards package (sandboxed tests)")
-        res = code_fn(completion=completions[i], tests=rows[i]["tests"])
+        # the prompt: helpers it defines are bound from it in the judge, never from the candidate
+        res = code_fn(completion=completions[i], tests=rows[i]["tests"], prompt=rows[i].get("prompt"))
         return float(res.score is not None and res.score >= 1 - 1e-6)
 
     code_idx = [i for i, r in enumerate(rows) if task_of(r) != "math" and r.get("tests") is not None]
