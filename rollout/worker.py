@@ -95,7 +95,7 @@ class RolloutWorker:
             response = t.ids[len(t.prompt_ids):]
             last = t.turns[-1] if t.turns else None
             out.append({"token_ids": response, "text": last.text if last else "", "num_forwards": t.num_forwards,
-                        "tpf": t.num_generated / max(t.num_forwards, 1), "num_edits": 0,
+                        "tpf": t.num_generated / max(t.num_forwards, 1), "num_edits": t.num_edits,
                         "finished_by_eos": bool(last and last.finished_by == "eos"),
                         "weights_version": self.version, "trajectory": t.to_dict(),
                         # L-EBPO's pre-edit blocks, offsets from the end of the trajectory's prompt_ids
