@@ -18,6 +18,7 @@ over all slots (`rollout.compiled`), compiled once; the rest of the loop is the 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 import time
 from collections import deque
@@ -116,8 +117,6 @@ class Engine:
         if not ready:
             if not waiting:
                 return bool(self.queue)
-            import concurrent.futures
-
             concurrent.futures.wait([s.future for s in waiting], timeout=0.05,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
             return True
