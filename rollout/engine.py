@@ -110,7 +110,7 @@ class Engine:
         """One scheduler iteration (module docstring). False when nothing is left to do."""
         self._poll_environments()
         self._admit()
-        ready = [s for s in self.active if s.status in (DECODING, MBE)]
+        ready = [s for s in self.active if s.ready]
         waiting = [s for s in self.active if s.status == WAITING]
         if self.mt is not None and not self.mt.continue_ready and waiting:
             ready = []  # baseline of `ebpo bench agent`: the batch pauses while any sequence waits
@@ -187,6 +187,7 @@ class Engine:
         events = [] if self.on_step is not None else None
         commit = [0] * len(ready)
         block_i = [i for i, s in enumerate(ready) if s.mbe_start is None]
+        mbe_i = [i for i, s in enumerate(ready) if s.mbe_start is not None]  # before a block's end opens a window
         if block_i:
             done, wrote = apply_block_steps(self.slots, [ready[i] for i in block_i], [results[i] for i in block_i],
                                             self.cfg, self.K, self.mask_id, self.lev_ids, events)
@@ -196,17 +197,17 @@ class Engine:
                 commit[i] = plan.t_start[i] - plan.q_start[i] + (self.K if done[j] and not wrote[j] else 0)
                 if done[j]:
                     self.block_ended(ready[i])
-        for i, s in enumerate(ready):
-            if s.mbe_start is not None and i not in block_i:
-                if apply_mbe_pass(self.slots, s, results[i], plan.t_start[i], plan.t_len[i], self.cfg, self.K, events):
-                    self._mbe_over(s)
+        for i in mbe_i:
+            if apply_mbe_pass(self.slots, ready[i], results[i], plan.t_start[i], plan.t_len[i], self.cfg, self.K,
+                              events):
+                self._mbe_over(ready[i])
         if self.cache is not None:
             self.cache.commit(commit)  # MBE rows commit 0: their window keys used a non-block-causal mask
         for ev in events or []:
             s = self.sequences[ev.seq]
-            ev.canvas = (s.canvas if s.status == FINISHED else
-                         self.slots.canvas[s.slot, : s.num_blocks * self.K].tolist())[: s.num_blocks * self.K]
             ev.finished = s.status == FINISHED
+            end = s.num_blocks * self.K
+            ev.canvas = s.canvas[:end] if ev.finished else self.slots.canvas[s.slot, :end].tolist()
             self.on_step(ev)
 
     # ---- what happens when a block ends
@@ -235,9 +236,9 @@ class Engine:
         K = self.K
         if s.env is None:
             end = min(s.prompt_len + s.max_new, (s.block + 1) * K)
-            s.eos = (eos if eos is not None else
-                     first_eos(self.slots.canvas[s.slot, s.prompt_len:end].tolist(), self.eos_ids) is not None)
-            if (self.cfg.stop_at_eos and s.eos) or s.block + 1 >= s.num_blocks:
+            if eos is None:
+                eos = first_eos(self.slots.canvas[s.slot, s.prompt_len:end].tolist(), self.eos_ids) is not None
+            if (self.cfg.stop_at_eos and eos) or s.block + 1 >= s.num_blocks:
                 self._release(s, s.num_blocks * K)
             else:
                 self._start_block(s, s.block + 1)

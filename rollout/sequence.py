@@ -46,7 +46,6 @@ class Sequence:
     mbe_start: int | None = None  # first block of the MBE window while MBE passes run
     mbe_passes: int = 0
     mbe_first_changed: int | None = None
-    eos: bool = False
     # multi-turn
     turns: list = field(default_factory=list)
     turn_forwards: int = 0

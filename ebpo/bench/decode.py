@@ -182,41 +182,7 @@ def main(argv: list[str]) -> int:
     from rollout import DecodeConfig
     from rollout.config import parse_override
 
-    p = argparse.ArgumentParser(prog="ebpo bench decode")
-    p.add_argument("--model", default=None, help="default: the shipped tiny-sft checkpoint, else preset:tiny")
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=16, help="random prompts: tokens per prompt")
-    p.add_argument("--prompts", default=None,
-                   help="JSONL file: use the first --batch rows' `prompt` (chat template) instead of random ids")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--presets", default="quality,speed,m2t")
-    p.add_argument("--off-batch-preset", default="m2t", help="preset for the batch-B cache-off row ('' = skip)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--compiled", action="store_true",
-                   help="also time compiled_step=true at batch 1 and batch B, cache on (compile time excluded, reported)")
-    p.add_argument("--compiled-only", action="store_true", help="only the compiled rows (no eager rows or ratios)")
-    p.add_argument("--skip-rows", action="store_true", help="no table rows (with --vs-released: only that comparison)")
-    p.add_argument("--vs-released", action="store_true",
-                   help="also compare with a released-style loop (one prompt at a time, no cache, full logits; same "
-                        "tokens), interleaved prompt by prompt with our batch-1 decode and, every 8 prompts, batch B")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a DecodeConfig field in every row, e.g. --set compiled_step=true (repeatable)")
-    p.add_argument("--block-routing", default=None, metavar="C,C,...",
-                   help="instead of the usual rows: decode at these block-routing capacities (0 = off, e.g. 0,12) "
-                        "with the first of --presets, batch 1 and --batch, and print tokens/s and experts per block")
-    p.add_argument("--rl-workload", action="store_true",
-                   help="instead of the usual rows: an RL-like workload (G samples per prompt at temperature 1, one "
-                        "in eight 4x longer, more sequences than --max-batch) decoded by fixed batches and by the "
-                        "continuous-batching engine; forwards per 1k tokens, rows per forward, CPU tokens/s")
-    p.add_argument("--rl-prompts", type=int, default=16, help="--rl-workload: prompts")
-    p.add_argument("--rl-group", type=int, default=8, help="--rl-workload: samples per prompt")
-    p.add_argument("--rl-short", type=int, default=32, help="--rl-workload: new tokens of a short answer")
-    p.add_argument("--max-batch", type=int, default=16, help="--rl-workload: rows per forward at most")
-    p.add_argument("--repeats", type=int, default=2, help="--rl-workload: alternated runs of each schedule")
-    p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+    a = _parser().parse_args(argv)
     overrides = dict(parse_override(item) for item in a.overrides)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -345,3 +311,44 @@ def _rl_workload_main(a, model, spec, cfg) -> int:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)
     return 0
+
+
+def _parser():
+    """The command line of `ebpo bench decode`."""
+    import torch
+
+    p = argparse.ArgumentParser(prog="ebpo bench decode")
+    p.add_argument("--model", default=None, help="default: the shipped tiny-sft checkpoint, else preset:tiny")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=16, help="random prompts: tokens per prompt")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL file: use the first --batch rows' `prompt` (chat template) instead of random ids")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--presets", default="quality,speed,m2t")
+    p.add_argument("--off-batch-preset", default="m2t", help="preset for the batch-B cache-off row ('' = skip)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time compiled_step=true at batch 1 and batch B, cache on (compile time excluded, reported)")
+    p.add_argument("--compiled-only", action="store_true", help="only the compiled rows (no eager rows or ratios)")
+    p.add_argument("--skip-rows", action="store_true", help="no table rows (with --vs-released: only that comparison)")
+    p.add_argument("--vs-released", action="store_true",
+                   help="also compare with a released-style loop (one prompt at a time, no cache, full logits; same "
+                        "tokens), interleaved prompt by prompt with our batch-1 decode and, every 8 prompts, batch B")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a DecodeConfig field in every row, e.g. --set compiled_step=true (repeatable)")
+    p.add_argument("--block-routing", default=None, metavar="C,C,...",
+                   help="instead of the usual rows: decode at these block-routing capacities (0 = off, e.g. 0,12) "
+                        "with the first of --presets, batch 1 and --batch, and print tokens/s and experts per block")
+    p.add_argument("--rl-workload", action="store_true",
+                   help="instead of the usual rows: an RL-like workload (G samples per prompt at temperature 1, one "
+                        "in eight 4x longer, more sequences than --max-batch) decoded by fixed batches and by the "
+                        "continuous-batching engine; forwards per 1k tokens, rows per forward, CPU tokens/s")
+    p.add_argument("--rl-prompts", type=int, default=16, help="--rl-workload: prompts")
+    p.add_argument("--rl-group", type=int, default=8, help="--rl-workload: samples per prompt")
+    p.add_argument("--rl-short", type=int, default=32, help="--rl-workload: new tokens of a short answer")
+    p.add_argument("--max-batch", type=int, default=16, help="--rl-workload: rows per forward at most")
+    p.add_argument("--repeats", type=int, default=2, help="--rl-workload: alternated runs of each schedule")
+    p.add_argument("--json", default=None)
+    return p
