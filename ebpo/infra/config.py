@@ -43,10 +43,11 @@ def parse_overrides(overrides: list[str]) -> dict:
 
 
 def deep_merge(base: dict, update: dict) -> dict:
-    """Recursively merge `update` into a copy of `base`."""
+    """Recursively merge `update` into a copy of `base`. An empty mapping in `update` replaces what `base`
+    holds (`env.kwargs={}` clears the recipe's kwargs; a non-empty one merges key by key)."""
     out = dict(base)
     for k, v in update.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
+        if isinstance(v, dict) and v and isinstance(out.get(k), dict):
             out[k] = deep_merge(out[k], v)
         else:
             out[k] = v
@@ -114,6 +115,8 @@ def _coerce(tp, value, key: str):
         items = [_coerce(inner, v, f"{key}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
     if origin is dict or tp is dict:
+        if value is None:  # `key=null` clears a mapping (e.g. env.kwargs=null)
+            return {}
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return dict(value)
@@ -154,8 +157,16 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | None
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {e}") from None
-    data = deep_merge(data, parse_overrides(overrides or []))
-    return build(cls, data)
+    return build(cls, apply_overrides(data, overrides or []))
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """`data` with the dotted overrides applied one after another, in order, so that a later override
+    builds on an earlier one: `env.kwargs={} env.kwargs.max_turns=3` leaves exactly {max_turns: 3}.
+    A mapping merges into the mapping it lands on; `{}` or `null` replaces it (clears it)."""
+    for item in overrides:
+        data = deep_merge(data, parse_overrides([item]))
+    return data
 
 
 def to_dict(cfg) -> dict:

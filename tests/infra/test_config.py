@@ -49,3 +49,32 @@ def test_errors_name_the_key(override, needle):
 
 def test_parse_overrides_nesting():
     assert parse_overrides(["a.b.c=1", "a.d=x"]) == {"a": {"b": {"c": 1}, "d": "x"}}
+
+
+@dataclass
+class WithKwargs:
+    kwargs: dict = doc("factory keyword arguments", default_factory=dict)
+    inner: Inner = doc("inner section", default_factory=Inner)
+
+
+@pytest.mark.parametrize("clear", ["kwargs={}", "kwargs=null"])
+def test_a_mapping_is_cleared_from_the_command_line(tmp_path, clear):
+    p = tmp_path / "r.yaml"
+    p.write_text("kwargs: {max_turns: 3, timeout_s: 2.0}\n")
+    assert load_config(WithKwargs, p, [clear]).kwargs == {}
+    # later overrides build on earlier ones: clear, then set one key
+    assert load_config(WithKwargs, p, [clear, "kwargs.max_turns=5"]).kwargs == {"max_turns": 5}
+    # a non-empty mapping still merges key by key, as before
+    assert load_config(WithKwargs, p, ["kwargs={max_turns: 5}"]).kwargs == {"max_turns": 5, "timeout_s": 2.0}
+    # an empty mapping on a section resets it to its defaults
+    assert load_config(WithKwargs, None, ["inner.lr=0.5", "inner={}"]).inner == Inner()
+
+
+def test_env_kwargs_of_the_agent_quickstart_can_be_cleared():
+    from ebpo.rl.config import RLConfig
+
+    recipe = "recipes/quickstart_agent.yaml"
+    assert load_config(RLConfig, recipe).env.kwargs == {"max_turns": 3, "timeout_s": 2.0}
+    for clear in ("env.kwargs={}", "env.kwargs=null"):
+        assert load_config(RLConfig, recipe, [clear]).env.kwargs == {}
+    assert load_config(RLConfig, recipe, ["env.kwargs=null", "env.kwargs.latency_s=1"]).env.kwargs == {"latency_s": 1}
