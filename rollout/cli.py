@@ -17,8 +17,11 @@ from pathlib import Path
 from .config import PRESETS, DecodeConfig, parse_override
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ebpo generate", description="Draft-and-edit decoding of LLaDA2.x models.")
+def _parser(parents: tuple = ()) -> argparse.ArgumentParser:
+    """The options; `parents` (argparse parsers made with add_help=False) add theirs to the same --help
+    (`ebpo.cli.generate` adds --env, --env-kwargs and --multiturn)."""
+    p = argparse.ArgumentParser(prog="ebpo generate", description="Draft-and-edit decoding of LLaDA2.x models.",
+                                parents=list(parents))
     p.add_argument("--model", default=None,
                    help="model folder, 'tiny-sft' or 'preset:NAME[@seed]' (default: the shipped tiny checkpoint, "
                         "else a randomly initialised tiny model)")
@@ -64,10 +67,11 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
-def main(argv: list[str], env_factory=None, multiturn: dict | None = None) -> int:
+def main(argv: list[str], env_factory=None, multiturn: dict | None = None, parents: tuple = ()) -> int:
     """`ebpo generate`; with `env_factory` (a no-argument callable building one environment: `ebpo.cli.generate`
-    passes it for `--env`), each prompt is a multi-turn rollout (`rollout.multiturn`)."""
-    args = _parser().parse_args(argv)
+    passes it for `--env`), each prompt is a multi-turn rollout (`rollout.multiturn`). parents: parsers whose
+    options were already taken from `argv` by the caller, listed in --help."""
+    args = _parser(parents).parse_args(argv)
     try:
         overrides = dict(parse_override(s) for s in args.set)
         if args.max_new_tokens is not None:
