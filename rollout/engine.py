@@ -323,7 +323,15 @@ class Engine:
                                  add_special_tokens=False)["input_ids"]
         lo = s.length
         if lo + len(obs_ids) + 1 > self._budget():
-            return self._end_trajectory(s, "max_total_tokens")
+            empty = len(self.tokenizer(self.mt.observation_template.format(observation=""),
+                                       add_special_tokens=False)["input_ids"])
+            if lo + empty + 1 > self._budget():  # the turns spent the budget: no observation could fit
+                return self._end_trajectory(s, "max_total_tokens")
+            # the observation's own length ends the trajectory: a named stop, not a silent end of the budget
+            turn.observation = obs
+            why = (f"observation of {len(obs_ids)} tokens does not fit: {lo} tokens so far, "
+                   f"max_total_tokens {self._budget()}")
+            return self._end_trajectory(s, "observation_overflow", error=why)
         turn.observation, turn.obs_start, turn.obs_end = obs, lo, lo + len(obs_ids)
         self.slots.canvas[s.slot, lo:lo + len(obs_ids)] = torch.tensor(obs_ids, dtype=torch.long, device=self.device)
         for i in range(lo, lo + len(obs_ids)):

@@ -51,8 +51,13 @@ class Trajectory:
     prompt_ids: the prompt; ids: the whole sequence (prompt, turns with their last block whole,
     observations), length a multiple of the block size; generated: per token, True where the model wrote it;
     segment: per token, 0 = prompt, then 2t+1 for turn t and 2t+2 for its observation;
-    stop: "done" (the environment ended it), "max_turns", "max_total_tokens", "env_error" or "env_timeout";
+    stop: "done" (the environment ended it), "max_turns", "max_total_tokens" (the turns spent the budget: not
+    even an empty observation would fit), "observation_overflow" (the environment's answer was too long for
+    what was left of `max_total_tokens`: recorded in the turn, not appended; the trajectory ends there and
+    `error` says how long it was), "env_error" or
+    "env_timeout";
     failed: the environment failed (exception, timeout, bad return), counted, never raised;
+    error: why it failed, or why it stopped early (observation_overflow);
     env_reward: sum of the environment's step rewards; num_forwards: decoder forwards over all turns;
     wall_s: from the start of the batch to this trajectory's end;
     num_edits / num_deletes / num_inserts: tokens rewritten after being visible (T2T, MBE, DELETE, INSERT) and
@@ -97,7 +102,8 @@ class Trajectory:
                 "tool_latency_s": sum(float(c.get("latency_s", 0.0)) for c in calls),
                 "env_latency_s": sum(t.env_latency_s for t in self.turns),
                 "env_token_share": env_tokens / max(1, len(self.ids) - len(self.prompt_ids)),
-                "failed": float(self.failed), "generated_tokens": self.num_generated}
+                "failed": float(self.failed), "generated_tokens": self.num_generated,
+                "observation_overflow": float(self.stop == "observation_overflow")}
 
     def to_dict(self) -> dict:
         """Plain data (lists, dicts, str, numbers): what rewards and tables receive."""
@@ -124,6 +130,8 @@ def trajectory_text(traj: dict, max_chars: int = 200) -> str:
             lines.append(f"  environment failed: {str(t['error'])[:max_chars]}")
         elif t.get("observation") is not None and not t.get("tool_calls"):
             lines.append(f"  <- {str(t['observation'])[:max_chars]}")
+    if traj.get("stop") == "observation_overflow":
+        lines.append(f"  <- (dropped) {str(traj.get('error'))[:max_chars]}")
     lines.append(f"[stop: {traj.get('stop')}, env reward {float(traj.get('env_reward') or 0.0):g}]")
     return "\n".join(lines)
 
