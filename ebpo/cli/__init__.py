@@ -5,6 +5,7 @@
     ebpo eval ...                            held-out accuracy of a checkpoint
     ebpo export RUN_DIR OUT_DIR              write a Hugging Face folder
     ebpo plan RECIPE.yaml [key=value ...]    memory per GPU of an RL recipe on a cluster shape
+    ebpo serve [--model M] [--port P]        OpenAI-compatible chat completions (ebpo.serve)
     ebpo bench NAME [...]                    benchmarks: decode, likelihood, rewards, kernels, agent, check
 
 The top-level parser picks the command; each command's own argparse parser, in the module that owns the
@@ -25,6 +26,7 @@ COMMANDS = {
     "eval": ("ebpo.cli.eval:main", "held-out accuracy and tokens per forward of a model, per decode preset"),
     "export": ("ebpo.cli.export:main", "write a run's checkpoint as a Hugging Face model folder"),
     "plan": ("ebpo.cli.plan:main", "memory per GPU of an RL recipe on a cluster shape (nothing is run)"),
+    "serve": ("ebpo.serve.cli:main", "OpenAI-compatible chat completions on the rollout engine"),
     "bench": (None, "benchmarks that print a table and can write JSON"),
 }
 
