@@ -8,6 +8,7 @@
   summed and divided by the number of editable positions; nothing outside the editable positions counts.
 """
 import random
+import re
 import types
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 import lev_reference as ref
 from ebpo.core.lev_likelihood import learner_draws
+from ebpo.core.levenshtein import lcs_labels
 from ebpo.core.lev_objective import lev_round
 from ebpo.core.likelihood import draw_noise
 from ebpo.core.objectives import noisy_half_hidden
@@ -137,3 +139,15 @@ def test_lev_round_loss_ignores_non_editable_positions(small_model):
         e = torch.zeros_like(editable)
         z, _, _ = lev_round(model, model.lm_head, draft, clean, e, K, MASK, DEL, INS, 0.5)
     assert torch.isfinite(a) and float(z) == 0.0
+
+
+def test_lcs_labels_refuses_anything_but_two_equal_n_by_k_blocks():
+    """lcs_labels takes draft and target of one shape (N, K): a different shape (both 2-D, or one row more) and
+    a shape that is not 2-D are refused, naming both shapes."""
+    bad = [((2, 4), (2, 5)), ((2, 4), (3, 4)), ((4,), (4,)), ((1, 2, 4), (1, 2, 4))]
+    for ds, ts in bad:
+        want = rf"^lcs_labels: draft and target must both be \(N, K\), got {re.escape(str(ds))} and {re.escape(str(ts))}$"
+        with pytest.raises(ValueError, match=want):
+            lcs_labels(torch.zeros(ds, dtype=torch.long), torch.zeros(ts, dtype=torch.long), MASK)
+    ops, toks = lcs_labels(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), MASK)
+    assert ops.shape == toks.shape == (2, 4)
