@@ -23,6 +23,7 @@ BUILTINS = {
     "task_completion": "rewards.trajectory:task_completion",
     "tool_call_validity": "rewards.trajectory:tool_call_validity",
     "turn_format": "rewards.trajectory:turn_format",
+    "reasoning_gym": "rewards.reasoning_gym_reward:reasoning_gym_score",
 }
 
 

@@ -33,6 +33,13 @@ def load_rows(source: str | Path | list, required: tuple[str, ...] = ()) -> list
     if source.startswith("hf:"):
         rows, name = _load_hf(source[3:]), source
         lines = None
+    elif source.startswith("rg:"):  # a reasoning-gym dataset, generated (ebpo.infra.task_libraries)
+        from ebpo.infra.task_libraries import TaskLibraryError, load_rg
+
+        try:
+            rows, name, lines = load_rg(source), source, None
+        except TaskLibraryError as e:
+            raise DataError(str(e)) from None
     else:
         path = Path(source)
         if not path.exists():

@@ -25,8 +25,9 @@ from ebpo.rl.learner_config import LearnerConfig
 
 @dataclass
 class DataConfig:
-    train: Union[str, list[str]] = doc("training prompts: .jsonl, .parquet or hf:NAME[:split] (local datasets "
-                                       "only), or a list of them",
+    train: Union[str, list[str]] = doc("training prompts: .jsonl, .parquet, hf:NAME[:split] (local datasets "
+                                       "only), rg:NAME?size=N&seed=S[&key=value] (a reasoning-gym dataset, generated; "
+                                       "the envs extra), or a list of them",
                      "examples/data/math_train.jsonl")
     eval: Union[str, list[str], None] = doc("held-out prompts (or a list of sources) for greedy Quality Mode "
                                             "evaluation; null = no eval", None)

@@ -44,11 +44,19 @@ def task_of(row: dict) -> str:
     """The row's task name: its `task` field, else "math" when it has an answer, "code" when it has tests."""
     if row.get("task"):
         return str(row["task"])
+    if rg_task(row):
+        return rg_task(row)
     if row.get("tests") is not None:
         return "code"
     if row.get("answer") is not None:
         return "math"
     raise ValueError(f"evaluation row has neither 'task', 'answer' nor 'tests': fields {sorted(row)}")
+
+
+def rg_task(row: dict) -> str | None:
+    """The reasoning-gym task of a row built from one (`rg:` sources: `metadata.source_dataset`), else None."""
+    meta = row.get("metadata")
+    return str(meta["source_dataset"]) if isinstance(meta, dict) and meta.get("source_dataset") else None
 
 
 def balanced_subset(rows: list[dict], size: int) -> list[dict]:
@@ -74,13 +82,14 @@ def _exact_math(completion: str, answer) -> float:
 
 
 def score_rows(rows: list[dict], completions: list[str], num_threads: int = 4) -> list[float]:
-    """1.0 / 0.0 per row: full marks from the row's task reward (math: math-verify, code: sandboxed tests)."""
+    """1.0 / 0.0 per row: full marks from the row's task reward (math: math-verify, code: sandboxed tests,
+    a reasoning-gym row: its task's own `score_answer`)."""
     try:
         from rewards import load_reward
 
-        math_fn, code_fn = load_reward("math"), load_reward("code")
+        math_fn, code_fn, rg_fn = load_reward("math"), load_reward("code"), load_reward("reasoning_gym")
     except ImportError:
-        math_fn = code_fn = None
+        math_fn = code_fn = rg_fn = None
     scores = [0.0] * len(rows)
 
     def code_one(i: int) -> float:
@@ -96,7 +105,13 @@ def score_rows(rows: list[dict], completions: list[str], num_threads: int = 4) -
         for i, r in enumerate(rows):  # math on this thread: math-verify's alarm timeouts need the main thread
             if i in futures:
                 continue
-            if math_fn is None:
+            if rg_task(r):
+                if rg_fn is None:
+                    raise RuntimeError("reasoning-gym rows need the rewards package (their task's score_answer)")
+                res = rg_fn(completion=completions[i], answer=r.get("answer"), metadata=r["metadata"],
+                            prompt=r.get("prompt"))
+                scores[i] = float(res.score is not None and res.score >= 1 - 1e-6)
+            elif math_fn is None:
                 scores[i] = _exact_math(completions[i], r.get("answer"))
             else:
                 res = math_fn(completion=completions[i], answer=r.get("answer"))

@@ -1,0 +1,58 @@
+"""reasoning-gym's own verifier as a reward: `score_answer` of the task a row came from.
+
+A row built from a reasoning-gym dataset (`data.train: rg:NAME?size=...&seed=...`, `ebpo.infra.task_libraries`)
+carries the entry's `answer` and `metadata`; `metadata["source_dataset"]` names the task, whose registered
+`score_answer(answer, entry)` scores the model's answer (reasoning-gym's verifier, not ours: partial credit
+where the task gives it, e.g. 0.4 for a right number with extra whitespace in some tasks).
+
+The model's answer is taken from the completion the way reasoning-gym's prompts ask for it, else the way
+our models write it: the last `<answer>...</answer>`, else the last `\\boxed{...}`, else the whole completion,
+stripped. Needs the `envs` extra (`pip install -e '.[envs]'`).
+"""
+from __future__ import annotations
+
+import re
+
+from rewards.api import RewardResult, skip
+
+ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+BOXED_RE = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def extract_answer(completion: str) -> str:
+    """The model's final answer in `completion` (module docstring): `<answer>` tag, `\\boxed{}`, else all of it."""
+    text = completion or ""
+    for pattern in (ANSWER_TAG_RE, BOXED_RE):
+        found = pattern.findall(text)
+        if found:
+            return found[-1].strip()
+    return text.strip()
+
+
+def reasoning_gym_score(*, completion: str, answer, metadata, prompt: str | None = None, **_) -> RewardResult:
+    """reasoning-gym's `score_answer` for the row's task, on the answer extracted from `completion`.
+
+    answer, metadata: the reasoning-gym entry's fields (the row's); prompt: its question. Returns the task's
+    score in [0, 1]; skips (score None) when the row is not a reasoning-gym entry or reasoning-gym is not
+    installed; a verifier that raises scores 0.0 (extras["error"] names the exception). extras: `pred`."""
+    if not isinstance(metadata, dict) or not metadata.get("source_dataset"):
+        return skip("not a reasoning-gym row: metadata has no source_dataset")
+    try:
+        import reasoning_gym
+    except ImportError:
+        return skip("reasoning-gym is not installed (pip install -e '.[envs]')")
+    name = str(metadata["source_dataset"])
+    try:
+        score_fn = reasoning_gym.get_score_answer_fn(name)
+    except Exception as e:  # noqa: BLE001 - an unknown task is the row's problem, not the run's
+        return skip(f"reasoning-gym has no task {name!r}: {type(e).__name__}")
+    pred = extract_answer(completion)
+    entry = {"question": prompt, "answer": answer, "metadata": metadata}
+    extras = {"pred": pred[:200], "task": name}
+    try:
+        score = float(score_fn(pred, entry))
+    except Exception as e:  # noqa: BLE001 - a verifier that raises on this answer gives it no credit
+        return RewardResult(0.0, {**extras, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    if not 0.0 <= score <= 1.0:  # NaN included
+        return RewardResult(0.0, {**extras, "error": f"score_answer returned {score!r}"})
+    return RewardResult(score, extras)
