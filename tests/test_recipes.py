@@ -30,6 +30,11 @@ def test_recipe_is_valid(path, monkeypatch):
             assert (Path(resolve_model_path(cfg.model)) / "config.json").exists(), f"{path.name}: model {cfg.model}"
         for src in local:
             for s in ([src] if isinstance(src, str) else src or []):
+                if s.startswith("rg:"):  # a generated reasoning-gym dataset: it must build
+                    from ebpo.infra.data import load_rows
+
+                    assert load_rows(s), f"{path.name}: {s} builds no rows"
+                    continue
                 assert (ROOT / s).exists(), f"{path.name}: {s} does not exist"
 
 
