@@ -31,7 +31,7 @@ from ebpo.model import BlockKVCache
 from .block_apply import SlotTensors, apply_block_steps, apply_mbe_pass
 from .env_steps import StepRunner, unpack_step
 from .forward import plan_rows, row_candidates, run_model
-from .sequence import DECODING, FINISHED, MBE, WAITING, Sequence
+from .sequence import DECODING, FINISHED, MBE, QUEUED, WAITING, Sequence
 from .steps import first_eos
 from .trajectory import TurnRecord
 
@@ -53,8 +53,10 @@ class Engine:
     """
 
     def __init__(self, model, cfg, *, max_batch: int, canvas_len: int, tokenizer=None, mt=None, on_step=None,
-                 on_turn=None, progress: bool = False):
+                 on_turn=None, progress: bool = False, version: int = 0, runner: StepRunner | None = None):
         mcfg = model.config
+        self.version = int(version)  # the weights' version: recorded per block (Sequence.block_versions)
+        self.holding = False  # drain(): rows at a block boundary wait, nothing is admitted
         self.model, self.cfg, self.mt, self.tokenizer = model, cfg, mt, tokenizer
         self.K = cfg.block_size or mcfg.block_size
         self.mask_id, self.eos_ids = int(mcfg.mask_token_id), eos_ids_of(mcfg)
@@ -78,7 +80,7 @@ class Engine:
         self.queue: deque[Sequence] = deque()
         self.active: list[Sequence] = []
         self.sequences: list[Sequence] = []
-        self.runner = StepRunner(mt.max_workers) if mt is not None else None
+        self.runner = runner or (StepRunner(mt.max_workers) if mt is not None else None)
         self.t0 = time.monotonic()
         self.num_forwards = 0  # model calls of block steps and MBE passes (the compiled step counts one each)
         self.row_forwards = 0  # sum over those calls of the rows that took part
@@ -106,11 +108,17 @@ class Engine:
             print(file=sys.stderr)
         return self.sequences
 
+    def run_until(self, done) -> None:
+        """Step until `done()` is true or nothing is left to do."""
+        while not done() and self.step():
+            pass
+
     def step(self) -> bool:
         """One scheduler iteration (module docstring). False when nothing is left to do."""
         self._poll_environments()
-        self._admit()
-        ready = [s for s in self.active if s.ready]
+        if not self.holding:
+            self._admit()
+        ready = [s for s in self.active if s.ready and not (self.holding and s.at_block_boundary)]
         waiting = [s for s in self.active if s.status == WAITING]
         if self.mt is not None and not self.mt.continue_ready and waiting:
             ready = []  # baseline of `ebpo bench agent`: the batch pauses while any sequence waits
@@ -136,6 +144,69 @@ class Engine:
             self.active.append(s)
             if s.env is not None and s.prompt_len >= self._budget():
                 self._end_trajectory(s, "max_total_tokens")
+
+    # ---- partial rollouts: stop every sequence at a block boundary, hand them over, take them back
+    def drain(self) -> None:
+        """Decode until every active sequence stands at a block boundary (`Sequence.at_block_boundary`): rows
+        in the middle of a block (or of an MBE window) finish it; no new block starts and nothing is admitted.
+        New weights can then be loaded without a block seeing two versions."""
+        self.holding = True
+        try:
+            while any(s.ready and not s.at_block_boundary for s in self.active):
+                self.step()
+        finally:
+            self.holding = False
+
+    def export(self) -> list[Sequence]:
+        """After `drain`: every unfinished sequence (active ones with their canvas and trace copied out, and
+        the queued ones), released from this engine; `adopt` continues them in another engine."""
+        out = []
+        for s in list(self.active):
+            if s.status == FINISHED:
+                continue
+            s.canvas = self.slots.canvas[s.slot].tolist()
+            s.trace = self.slots.trace[s.slot].tolist()
+            self.active.remove(s)
+            self.free.append(s.slot)
+            s.slot = None
+            out.append(s)
+        self.free.sort()
+        out += list(self.queue)
+        self.queue.clear()
+        return out
+
+    def adopt(self, s: Sequence) -> Sequence:
+        """Continue a sequence exported by another engine (`export`) at its block boundary, under this
+        engine's weights: its keys/values are recomputed from position 0 by its next forward (exactly what the
+        block's conditional under the new version needs). Queued sequences are queued again."""
+        s.id = len(self.sequences)
+        self.sequences.append(s)
+        if s.status == QUEUED:
+            self.queue.append(s)
+            return s
+        if not s.at_block_boundary:
+            raise ValueError(f"Engine.adopt: sequence {s.id} is not at a block boundary (status {s.status})")
+        if len(s.canvas) > self.T and any(t != self.mask_id for t in s.canvas[self.T:]):
+            raise ValueError(f"Engine.adopt: sequence {s.id} holds {len(s.canvas)} positions, the canvas {self.T}")
+        if not self.free:
+            raise ValueError("Engine.adopt: no free slot (adopt before submitting new sequences)")
+        s.slot = r = self.free.pop(0)
+        n = min(len(s.canvas), self.T)
+        self.slots.canvas[r].fill_(self.mask_id)
+        self.slots.canvas[r, :n] = torch.tensor(s.canvas[:n], dtype=torch.long, device=self.device)
+        self.slots.trace[r].fill_(-1)
+        self.slots.trace[r, :n] = torch.tensor(s.trace[:n], dtype=torch.long, device=self.device)
+        self.slots.post_steps[r] = 0
+        self.slots.block_iters[r] = 0
+        if self.cache is not None:
+            self.cache.truncate([r], [0])
+        if s.env is not None and len(s.generated) < self.T:  # the per-position turn records span the canvas
+            s.generated += [False] * (self.T - len(s.generated))
+            s.segment += [-1] * (self.T - len(s.segment))
+        self.active.append(s)
+        if self.static is not None:
+            self.static.refill(self, s, 0, s.turns[-1].end // self.K - 1 if s.status == WAITING else None)
+        return s
 
     def _place(self, s: Sequence) -> None:
         K, P, r = self.K, s.prompt_len, s.slot
@@ -171,6 +242,9 @@ class Engine:
 
     # ---- one forward
     def _forward(self, ready: list[Sequence]) -> None:
+        for s in ready:
+            if s.mbe_start is None:
+                s.block_versions.setdefault(s.block, self.version)
         if self.static is not None:  # the rows decoding a block take the fixed-shape step; MBE rows stay eager
             from .static_slots import static_forward
 
@@ -214,11 +288,22 @@ class Engine:
     def block_ended(self, s: Sequence, eos: bool | None = None) -> None:
         """The active block of `s` ended: an MBE window if MBE is on and the turn has an earlier block, else
         `after_block` (eos: whether the generated region holds EOS, when the caller already knows)."""
-        if self.cfg.mbe_window > 0 and s.block > s.first_block:
-            s.mbe_start = max(s.first_block, s.block - self.cfg.mbe_window)
+        lo = self._same_version_from(s)
+        if self.cfg.mbe_window > 0 and s.block > lo:
+            s.mbe_start = max(lo, s.block - self.cfg.mbe_window)
             s.mbe_passes, s.mbe_first_changed, s.status = 0, None, MBE
         else:
             self.after_block(s, eos)
+
+    @staticmethod
+    def _same_version_from(s: Sequence) -> int:
+        """The earliest block of the current turn from which every block up to the active one was decoded
+        under the active block's version: MBE never rewrites a block of another version (each block's
+        behaviour term must be one version's conditional). Without weight changes: the turn's first block."""
+        b, v = s.block, s.block_versions.get(s.block)
+        while b > s.first_block and s.block_versions.get(b - 1) == v:
+            b -= 1
+        return b
 
     def _mbe_over(self, s: Sequence) -> None:
         if self.cache is not None and s.mbe_first_changed is not None:

@@ -58,7 +58,11 @@ class Sequence:
     end_time: float = 0.0
     generated: list[bool] = field(default_factory=list)
     segment: list[int] = field(default_factory=list)
-    # copied out of the slot when the sequence finishes
+    # weight versions (partial rollouts): block -> the engine version of the block's first forward; the engine
+    # changes weights only when every row is at a block boundary, so each block is decoded under one version
+    block_versions: dict = field(default_factory=dict)
+    tag: object = None  # the caller's key for the sequence (partial rollouts: its prompt group)
+    # copied out of the slot when the sequence finishes (or is exported at a block boundary)
     canvas: list[int] = field(default_factory=list)
     trace: list[int] = field(default_factory=list)
 
@@ -70,6 +74,27 @@ class Sequence:
     def ready(self) -> bool:
         """Takes part in the next forward."""
         return self.status in (DECODING, MBE)
+
+    @property
+    def at_block_boundary(self) -> bool:
+        """No forward of the active block has run yet (or the sequence waits on its environment): weights may
+        change here without mixing two versions inside one block."""
+        return self.status == WAITING or (self.status == DECODING and self.mbe_start is None
+                                          and self.block not in self.block_versions)
+
+    def oldest_version(self) -> int | None:
+        """The weight version of the earliest decoded block (None before any forward)."""
+        return min(self.block_versions.values()) if self.block_versions else None
+
+    def versions_by_block(self) -> list[int]:
+        """Per absolute block index 0 .. last decoded block: the version that decoded it, -1 for blocks no
+        forward decoded (the prompt's whole blocks, a multi-turn row's observation-only blocks)."""
+        if not self.block_versions:
+            return []
+        out = [-1] * (max(self.block_versions) + 1)
+        for b, v in self.block_versions.items():
+            out[b] = int(v)
+        return out
 
     def new_block(self, block: int) -> None:
         self.block = block
