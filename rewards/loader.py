@@ -24,6 +24,7 @@ BUILTINS = {
     "tool_call_validity": "rewards.trajectory:tool_call_validity",
     "turn_format": "rewards.trajectory:turn_format",
     "reasoning_gym": "rewards.reasoning_gym_reward:reasoning_gym_score",
+    "verifiers": "rewards.verifiers_reward:verifiers_reward",
 }
 
 

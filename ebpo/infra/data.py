@@ -33,11 +33,11 @@ def load_rows(source: str | Path | list, required: tuple[str, ...] = ()) -> list
     if source.startswith("hf:"):
         rows, name = _load_hf(source[3:]), source
         lines = None
-    elif source.startswith("rg:"):  # a reasoning-gym dataset, generated (ebpo.infra.task_libraries)
-        from ebpo.infra.task_libraries import TaskLibraryError, load_rg
+    elif source.startswith(("rg:", "vf:")):  # reasoning-gym / verifiers datasets (ebpo.infra.task_libraries)
+        from ebpo.infra.task_libraries import TaskLibraryError, load_rg, load_vf
 
         try:
-            rows, name, lines = load_rg(source), source, None
+            rows, name, lines = (load_rg if source.startswith("rg:") else load_vf)(source), source, None
         except TaskLibraryError as e:
             raise DataError(str(e)) from None
     else:

@@ -26,8 +26,9 @@ from ebpo.rl.learner_config import LearnerConfig
 @dataclass
 class DataConfig:
     train: Union[str, list[str]] = doc("training prompts: .jsonl, .parquet, hf:NAME[:split] (local datasets "
-                                       "only), rg:NAME?size=N&seed=S[&key=value] (a reasoning-gym dataset, generated; "
-                                       "the envs extra), or a list of them",
+                                       "only), rg:NAME?size=N&seed=S[&key=value] (a reasoning-gym dataset) or "
+                                       "vf:REF[?split=eval] (a verifiers environment's; both the envs extra), or a "
+                                       "list of them",
                      "examples/data/math_train.jsonl")
     eval: Union[str, list[str], None] = doc("held-out prompts (or a list of sources) for greedy Quality Mode "
                                             "evaluation; null = no eval", None)

@@ -1,0 +1,72 @@
+"""A verifiers environment's rubric as a reward.
+
+verifiers' convention: an environment is a module with `load_environment(**kwargs)` returning a
+`verifiers.Environment` (dataset, parser, rubric). `load_vf_environment(ref, env_args)` loads one, by the
+module name `verifiers.load_environment` takes (an installed environment package) or by a file path
+(`examples/verifiers_envs/tiny_math.py`: the same function, imported from the file). Rows built from its
+dataset (`vf:` data sources, `ebpo.infra.task_libraries`) carry the environment's own input in
+`metadata["verifiers"]`, and `verifiers_reward` scores a completion with the environment's rubric:
+`await env.rubric.score_rollout(state)` on the state the environment builds for that input, with the
+completion as the assistant message. Single-turn environments only on this path (a multi-turn one needs its
+own rollout loop: the gateway, docs/rl.md "Task libraries"). Needs the `envs` extra.
+"""
+from __future__ import annotations
+
+import json
+
+from rewards.api import RewardResult, skip
+from rewards.loader import load_module_file
+
+_ENVS: dict = {}  # (ref, env_args as JSON) -> environment, one per process
+_UNUSED_URL = "http://127.0.0.1:9/v1"  # scoring never calls the model: the state only needs a client object
+
+
+def load_vf_environment(ref: str, env_args: dict | None = None):
+    """The verifiers environment `ref` built with `env_args` (cached per process): a file path ending in .py
+    (its `load_environment`), else `verifiers.load_environment(ref, **env_args)`."""
+    key = (ref, json.dumps(env_args or {}, sort_keys=True))
+    if key not in _ENVS:
+        if ref.endswith(".py"):
+            module = load_module_file(ref, ref)
+            if not callable(getattr(module, "load_environment", None)):
+                raise ValueError(f"verifiers environment {ref!r} defines no load_environment()")
+            _ENVS[key] = module.load_environment(**(env_args or {}))
+        else:
+            import verifiers
+
+            _ENVS[key] = verifiers.load_environment(ref, **(env_args or {}))
+    return _ENVS[key]
+
+
+async def score_with_rubric(env, env_input: dict, completion) -> tuple[float, dict]:
+    """(reward, metrics) of `completion` (text, or a list of chat messages) for one input of `env`'s dataset
+    (its row without `question`), by the environment's rubric."""
+    import verifiers
+    from openai import AsyncOpenAI
+
+    client = verifiers.OpenAIChatCompletionsClient(AsyncOpenAI(base_url=_UNUSED_URL, api_key="unused"))
+    state = await env.init_state(dict(env_input), client=client, model="ebpo", sampling_args=None)
+    if isinstance(completion, str):
+        completion = [{"role": "assistant", "content": completion}]
+    state["completion"] = completion
+    await env.rubric.score_rollout(state)
+    return float(state["reward"]), dict(state.get("metrics") or {})
+
+
+async def verifiers_reward(*, completion: str, metadata, **_) -> RewardResult:
+    """The rubric's reward of `completion` for a row built from a verifiers environment (metadata["verifiers"]:
+    env, env_args, input). Skips rows that are not from one or when verifiers is missing; an environment or
+    rubric that raises scores 0.0 (extras["error"]). extras: the rubric's metrics."""
+    vf_meta = metadata.get("verifiers") if isinstance(metadata, dict) else None
+    if not isinstance(vf_meta, dict) or "env" not in vf_meta or "input" not in vf_meta:
+        return skip("not a verifiers row: metadata has no verifiers.env / verifiers.input")
+    try:
+        import verifiers  # noqa: F401
+    except ImportError:
+        return skip("verifiers is not installed (pip install -e '.[envs]', Python 3.11-3.13)")
+    try:
+        env = load_vf_environment(vf_meta["env"], vf_meta.get("env_args"))
+        reward, metrics = await score_with_rubric(env, vf_meta["input"], completion or "")
+    except Exception as e:  # noqa: BLE001 - the environment's failure costs this sample, not the run
+        return RewardResult(0.0, {"error": f"{type(e).__name__}: {str(e)[:200]}"})
+    return RewardResult(reward, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
