@@ -70,3 +70,22 @@ async def verifiers_reward(*, completion: str, metadata, **_) -> RewardResult:
     except Exception as e:  # noqa: BLE001 - the environment's failure costs this sample, not the run
         return RewardResult(0.0, {"error": f"{type(e).__name__}: {str(e)[:200]}"})
     return RewardResult(reward, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+
+
+async def verifiers_agent(client, row: dict, *, model: str | None = None, sampling_args: dict | None = None) -> dict:
+    """Run the verifiers environment of `row` (built by a `vf:` source) with its own rollout loop against
+    `client` (an `openai.AsyncOpenAI` pointed at any OpenAI-compatible endpoint: `ebpo serve`, the agent
+    gateway), then score it with its rubric. Works for multi-turn environments too: the environment talks to
+    the model itself. model: the model id (default: the endpoint's first); sampling_args: passed to the
+    environment (`max_tokens`, `temperature`, ...). Returns {"reward", "metrics", "completion"}."""
+    import verifiers
+
+    vf_meta = row["metadata"]["verifiers"]
+    env = load_vf_environment(vf_meta["env"], vf_meta.get("env_args"))
+    if model is None:
+        model = (await client.models.list()).data[0].id
+    state = await env.rollout(dict(vf_meta["input"]), verifiers.OpenAIChatCompletionsClient(client), model,
+                              dict(sampling_args or {}))
+    await env.rubric.score_rollout(state)
+    return {"reward": float(state["reward"]), "metrics": dict(state.get("metrics") or {}),
+            "completion": state.get("completion")}
