@@ -38,6 +38,7 @@ BENCHMARKS = {
     "learner": ("ebpo.bench.learner:main", "EBPO learner tokens/s: token-budget micro-batches, W = 1 vs 2 ranks"),
     "agent": ("ebpo.bench.agent:main", "multi-turn decoding: ready sequences continuing past one waiting on its tool"),
     "check": ("ebpo.bench.check:main", "headline ratios of the benchmarks against committed baselines"),
+    "serve": ("ebpo.bench.serve:main", "ebpo serve: requests/s of 16 concurrent clients vs one at a time"),
 }
 
 

@@ -71,3 +71,36 @@ def create_app(service, complete=None) -> FastAPI:
         app.add_api_route(prefix + "/models", models, methods=["GET"])
         app.add_api_route(prefix + "/chat/completions", chat, methods=["POST"])
     return app
+
+
+class BackgroundServer:
+    """uvicorn serving `app` on `host`:`port` (0 = a free port) in a daemon thread, started on construction;
+    `base_url` is its `/v1` address, `stop()` shuts it down (the tests and `ebpo bench serve` use it)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0):
+        import socket
+        import threading
+
+        import uvicorn
+
+        if port == 0:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.host, self.port = host, port
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="ebpo-serve", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+            time.sleep(0.05)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)

@@ -7,7 +7,8 @@ a request that arrives while a batch is decoding joins it at the next forward (c
 engine itself needs no lock.
 
 An engine decodes every row of a forward with one `DecodeConfig`, so requests are grouped into *lanes*, one
-engine per distinct config (preset, thresholds, temperature, ...); requests of one lane share forwards. A
+engine per distinct config (preset, thresholds, temperature, ...; `max_new_tokens` is per sequence and does
+not split lanes); requests of one lane share forwards. A
 lane whose engine has nothing left to do is dropped once more than `max_lanes` lanes exist. A sequence's
 tokens depend only on its prompt, generator and the weights (`rollout.engine`), never on its lane-mates.
 """
@@ -122,9 +123,10 @@ class EngineDriver:
                 return
             if not sub.future.set_running_or_notify_cancel():
                 continue
-            lane = self._lane(sub.config)
+            lane = self._lane(sub.config.replace(max_new_tokens=1))  # a length per sequence, not per lane
             try:
-                seq = lane.engine.submit(sub.prompt, sub.generator, env=sub.env, max_new_tokens=sub.max_new)
+                seq = lane.engine.submit(sub.prompt, sub.generator, env=sub.env,
+                                         max_new_tokens=sub.max_new or sub.config.max_new_tokens)
             except ValueError as e:
                 sub.future.set_exception(e)
                 continue
