@@ -66,6 +66,30 @@ class Sequence:
     canvas: list[int] = field(default_factory=list)
     trace: list[int] = field(default_factory=list)
 
+    def __getstate__(self) -> dict:
+        """Picklable (partial rollouts' checkpoints): a pending environment step is waited for and kept as
+        its outcome; the environment itself must pickle."""
+        state = dict(self.__dict__)
+        fut = state.pop("future", None)
+        if fut is not None:
+            try:
+                state["_step_outcome"] = ("ok", fut.result())
+            except BaseException as e:  # noqa: BLE001 - the failure belongs to this trajectory, kept as it is
+                state["_step_outcome"] = ("error", e)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        outcome = state.pop("_step_outcome", None)
+        self.__dict__.update(state)
+        self.future = None
+        if outcome is not None:
+            self.future = concurrent.futures.Future()
+            self.future.set_running_or_notify_cancel()
+            if outcome[0] == "ok":
+                self.future.set_result(outcome[1])
+            else:
+                self.future.set_exception(outcome[1])
+
     @property
     def prompt_len(self) -> int:
         return len(self.prompt)

@@ -43,6 +43,8 @@ class RolloutWorker:
         self.fp8 = False  # until the float weights are loaded and the model converted below
         self.version = 0
         self.sync_group = None  # rollout.weight_sync.WeightBroadcastGroup with ray.weight_sync=broadcast
+        self.partial = None  # rollout.partial.PartialRollouts: sequences carried between steps
+        self.env_runner = None  # its environments' step threads (rollout.env_steps.StepRunner)
         if weights is not None:
             self.load_weights(weights, weights_version)
         if fp8:
@@ -69,14 +71,7 @@ class RolloutWorker:
             return self._generate_turns(prompt_ids, seeds, config, rows)
         with torch.no_grad():
             outs = generate(self.model, prompt_ids, config, tokenizer=self.tokenizer, seeds=seeds)
-        return [
-            {"token_ids": list(o.token_ids), "text": o.text, "num_forwards": o.num_forwards, "tpf": o.tpf,
-             "num_edits": o.num_edits, "finished_by_eos": o.finished_by_eos, "tail_ids": list(o.tail_ids),
-             "edit_log": [list(e) for e in o.edit_log],
-             "lev_drafts": [[off, list(d)] for off, d in o.lev_drafts],  # L-EBPO's pre-edit blocks
-             "weights_version": self.version}  # the policy that sampled it (asynchronous RL's staleness)
-            for o in outs
-        ]
+        return [_single_turn_sample(o, self.version) for o in outs]
 
     def _generate_turns(self, prompt_ids: list[list[int]], seeds: list[int], config, rows: list[dict]) -> list[dict]:
         """Multi-turn rollouts: one fresh environment per prompt, reset with its row and seed, then
@@ -90,17 +85,77 @@ class RolloutWorker:
             raise ValueError(f"RolloutWorker.generate: one row per prompt ({len(prompt_ids)}), got {len(rows)}")
         trajs = run_episodes(self.model, prompt_ids, rows, self.env_factory, config, MultiTurnConfig(**self.multiturn),
                              tokenizer=self.tokenizer, seeds=seeds)
-        out = []
-        for t in trajs:
-            response = t.ids[len(t.prompt_ids):]
-            last = t.turns[-1] if t.turns else None
-            out.append({"token_ids": response, "text": last.text if last else "", "num_forwards": t.num_forwards,
-                        "tpf": t.num_generated / max(t.num_forwards, 1), "num_edits": t.num_edits,
-                        "finished_by_eos": bool(last and last.finished_by == "eos"),
-                        "weights_version": self.version, "trajectory": t.to_dict(),
-                        # L-EBPO's pre-edit blocks, offsets from the end of the trajectory's prompt_ids
-                        "lev_drafts": [[off, list(d)] for off, d in getattr(t, "lev_drafts", [])]})
-        return out
+        return [_multi_turn_sample(t, self.version) for t in trajs]
+
+    def generate_partial(self, prompt_ids: list[list[int]], seeds: list[int], tags: list, quota: int,
+                         min_version: int | None = None, rows: list[dict] | None = None) -> dict:
+        """Partial rollouts (`rollout.partial`): start these prompts (one group key per prompt; members of a
+        group must all come to this worker), continue the sequences carried over from earlier calls under the
+        weights held now, and decode until `quota` groups are complete; the others stop at a block boundary
+        and wait for the next call. `min_version`: sequences whose oldest block is older are dropped (and
+        counted). Returns {"samples": [sample dicts with "tag" and "block_versions"], "stats": CollectStats
+        fields, "held": the group keys still in flight here, "dropped_tags": the groups dropped}; a sample's
+        `weights_version` is its oldest block's version."""
+        from dataclasses import asdict
+
+        from .decoder import _make_generators, _output
+        from .multiturn import MultiTurnConfig, _trajectory, start_episodes
+        from .partial import NewSequence, PartialRollouts
+
+        if self.partial is None:
+            self.partial = PartialRollouts()
+        cfg, mt, envs = self.decode_config, None, [None] * len(prompt_ids)
+        if rows is not None:
+            mt = MultiTurnConfig(**self.multiturn)
+            envs = [self.env_factory() for _ in prompt_ids]
+            prompt_ids = start_episodes(envs, rows, prompt_ids, self.tokenizer, seeds, mt.observation_template)
+            if self.env_runner is None:
+                from .env_steps import StepRunner
+
+                self.env_runner = StepRunner(mt.max_workers)
+        gens = _make_generators(len(prompt_ids), seeds, None, cfg.temperature, self.device) or [None] * len(prompt_ids)
+        new = [NewSequence(p, g, t, e) for p, g, t, e in zip(prompt_ids, gens, tags, envs)]
+        K = cfg.block_size or self.model.config.block_size
+        with torch.no_grad():
+            seqs, stats = self.partial.collect(self.model, cfg, new, quota, self.version, max_batch=cfg.max_batch,
+                                               min_version=min_version, tokenizer=self.tokenizer, mt=mt,
+                                               runner=self.env_runner)
+        samples = []
+        for s in seqs:
+            if s.env is None:
+                d = _single_turn_sample(_output(s, _eos_ids(self.model), self.tokenizer, K), s.oldest_version())
+            else:
+                d = _multi_turn_sample(_trajectory(s, 0.0, K), s.oldest_version())
+                _close(s.env)
+            d.update(tag=s.tag, block_versions=s.versions_by_block())
+            samples.append(d)
+        return {"samples": samples, "stats": asdict(stats), "held": list(self.partial.group_sizes),
+                "dropped_tags": sorted(self.partial.dropped_tags, key=str)}
+
+    def partial_state(self) -> dict | None:
+        """The in-flight partial rollouts (a checkpoint), or None. A group with an environment that does not
+        pickle is left out (it goes on here; a resumed run counts it as lost)."""
+        import pickle
+
+        if self.partial is None:
+            return None
+        state = self.partial.state()
+        bad = set()
+        for s in state["carried"] + state["done"]:
+            try:
+                pickle.dumps(s)
+            except Exception:  # noqa: BLE001 - an environment that does not pickle
+                bad.add(s.tag)
+        if bad:
+            state = {"group_sizes": {t: n for t, n in state["group_sizes"].items() if t not in bad},
+                     "carried": [s for s in state["carried"] if s.tag not in bad],
+                     "done": [s for s in state["done"] if s.tag not in bad]}
+        return state
+
+    def restore_partial(self, state: dict | None) -> None:
+        from .partial import PartialRollouts
+
+        self.partial = None if state is None else PartialRollouts.from_state(state)
 
     def load_weights(self, state_dict, version: int) -> float:
         """Load a learner state_dict (stacked-expert names or released names), or a
@@ -164,3 +219,40 @@ class RolloutWorker:
     def ping(self) -> int:
         """Liveness check; returns the weights version held."""
         return self.version
+
+
+def _single_turn_sample(o, version: int) -> dict:
+    """A `GenerationOutput` as the plain dict `RolloutSample` is built from (cheap to ship over Ray)."""
+    return {"token_ids": list(o.token_ids), "text": o.text, "num_forwards": o.num_forwards, "tpf": o.tpf,
+            "num_edits": o.num_edits, "finished_by_eos": o.finished_by_eos, "tail_ids": list(o.tail_ids),
+            "edit_log": [list(e) for e in o.edit_log],
+            "lev_drafts": [[off, list(d)] for off, d in o.lev_drafts],  # L-EBPO's pre-edit blocks
+            "weights_version": version}  # the policy that sampled it (asynchronous RL's staleness)
+
+
+def _multi_turn_sample(t, version: int) -> dict:
+    """A multi-turn `Trajectory` as a sample dict: the response is everything after the prompt (turns and
+    observations), the text the last turn's (what a reward judges as the final answer)."""
+    response = t.ids[len(t.prompt_ids):]
+    last = t.turns[-1] if t.turns else None
+    return {"token_ids": response, "text": last.text if last else "", "num_forwards": t.num_forwards,
+            "tpf": t.num_generated / max(t.num_forwards, 1), "num_edits": t.num_edits,
+            "finished_by_eos": bool(last and last.finished_by == "eos"),
+            "weights_version": version, "trajectory": t.to_dict(),
+            # L-EBPO's pre-edit blocks, offsets from the end of the trajectory's prompt_ids
+            "lev_drafts": [[off, list(d)] for off, d in getattr(t, "lev_drafts", [])]}
+
+
+def _eos_ids(model) -> set[int]:
+    from .engine import eos_ids_of
+
+    return eos_ids_of(model.config)
+
+
+def _close(env) -> None:
+    close = getattr(env, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - a failing close must not lose the step
+            pass
