@@ -1,6 +1,7 @@
 """`ebpo plan`'s arithmetic: parameters counted on the meta device equal the real model's, and the probed
 activation estimate matches the bytes the tiny model really saves for the backward in a learner forward
 (CPU, fp32 and bf16, several batch shapes)."""
+import os
 import pytest
 import torch
 
@@ -28,8 +29,15 @@ def test_activation_estimate_matches_the_tiny_models_saved_bytes(dtype, rows, le
     ids = torch.randint(0, config.vocab_size - 10, (rows, length), generator=g)
     resp = response_mask_from_ids(ids, torch.full((rows,), 8), config.eos_token_id)
     noise = draw_noise(resp, config.block_size, draws, 0.1, 1.0, g, form="exact_elbo")
-    measured = saved_tensor_bytes(lambda: composite_logprobs(model, ids, noise, list(range(draws)),
-                                                             config.mask_token_id, packed=True))
+    try:
+        measured = saved_tensor_bytes(lambda: composite_logprobs(model, ids, noise, list(range(draws)),
+                                                                 config.mask_token_id, packed=True))
+    except RuntimeError as e:
+        # torch's bf16 kernels pack for the AVX-512 they find on the CPU, then refuse because
+        # ATEN_CPU_CAPABILITY forbids AVX-512: a forced combination no real CPU has
+        if "pack_vnni2" in str(e) and os.environ.get("ATEN_CPU_CAPABILITY") in ("default", "avx2"):
+            pytest.skip(f"bf16 under a forced ATEN_CPU_CAPABILITY below the CPU's own: {e}")
+        raise
     estimate = probe_activations(config, dtype).saved_bytes(rows, (draws + 1) * length, int(noise.masked.sum()))
     assert 0.95 <= estimate / measured <= 1.10, (estimate, measured)
 
