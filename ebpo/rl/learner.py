@@ -8,7 +8,8 @@ first layers and the shared experts; routed experts are stacked `nn.Parameter`s 
 
 Batch: an `ebpo.rl.records.LearnerBatch` (or a dict of its fields, converted by
 `LearnerBatch.from_mapping`): `input_ids` (B, L), `prompt_lens` (B,), `response_mask` (B, L) bool,
-`advantages` (B,) already normalised per prompt group, `weight_version` (B,) in asynchronous RL.
+`advantages` (B,) already normalised per prompt group, `weight_version` (B,) in asynchronous RL, and
+`block_versions` (B, nb) when partial rollouts decoded a row under several versions.
 Public API for the other learner modules: `micro_inputs`, `composites`, `sum_over_ranks`, `micro_steps`.
 """
 from __future__ import annotations
@@ -284,7 +285,8 @@ class EBPOLearner:
             if not on_policy:
                 self.sum_over_ranks(old, blocks, *([ref] if ref is not None else []))
         # None unless asynchronous
-        behaviour = prepare_behaviour(self, b.weight_version, ids, noise, plans, tokens, chunk, state.cached)
+        behaviour = prepare_behaviour(self, b.weight_version, ids, noise, plans, tokens, chunk, state.cached,
+                                      block_versions=b.block_versions)
         t_old = time.perf_counter() - t0
 
         t0 = time.perf_counter()

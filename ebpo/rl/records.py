@@ -134,6 +134,15 @@ class LearnerBatch:
     padding, never the prompt); advantages (B,) fp32, already normalised per prompt group; group_ids
     (B,) long (bookkeeping); weight_version (B,) long or None: the weight version that sampled each row
     (asynchronous RL; None = all current).
+    block_versions (B, nb) long or None (partial rollouts, docs/ebpo.md "Block-exact behaviour terms"):
+    entry (i, j) is the weight version that decoded block j of row i, blocks being the absolute positions
+    [j*K, (j+1)*K) of the row (prompt + response, the composites' per-block indexing), -1 where the block
+    holds no decoded token (prompt-only blocks, padding, observation-only blocks). nb is normally
+    ceil(L / K) (`build_learner_batch` pads to it); the learner, which knows K, reads missing trailing
+    columns as -1 and refuses a version past ceil(L / K) or a block with scored tokens and no version.
+    With block_versions, weight_version is the row's OLDEST decoded block's version: derived when not
+    given, checked when given (a row with no decoded block then keeps its given weight_version; without
+    one it is refused).
     """
     input_ids: torch.Tensor
     prompt_lens: torch.Tensor
@@ -143,6 +152,7 @@ class LearnerBatch:
     group_ids: Optional[torch.Tensor] = None
     weight_version: Optional[torch.Tensor] = None
     lev_drafts: Optional[list] = None
+    block_versions: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         ids = self.input_ids
@@ -160,6 +170,8 @@ class LearnerBatch:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (B,):
                 raise ValueError(f"LearnerBatch.{name}: expected shape ({B},), got {tuple(t.shape)}")
+        if self.block_versions is not None:
+            self.weight_version = _check_block_versions(self.block_versions, self.weight_version, B)
 
     @property
     def num_rows(self) -> int:
@@ -192,15 +204,63 @@ class LearnerBatch:
             resp = response_mask_from_ids(ids, prompt_lens, eos_id)
         optional = {k: None if batch.get(k) is None else torch.as_tensor(batch[k]).long()
                     for k in ("response_lens", "group_ids", "weight_version")}
+        bv = batch.get("block_versions")
+        if bv is not None and not isinstance(bv, torch.Tensor):  # per-row lists, padded with -1
+            bv = pad_block_versions(bv, ids.shape[0], max((len(r) for r in bv), default=0))
         return cls(input_ids=ids, prompt_lens=prompt_lens, response_mask=resp, advantages=adv,
-                   lev_drafts=batch.get("lev_drafts"), **optional)
+                   lev_drafts=batch.get("lev_drafts"), block_versions=None if bv is None else bv.long(), **optional)
+
+
+def _check_block_versions(bv, weight_version: Optional[torch.Tensor], B: int) -> torch.Tensor:
+    """Check `LearnerBatch.block_versions` (B, nb) long; returns the rows' weight_version (B,): the oldest
+    decoded block's version (derived, or the given one checked against it)."""
+    if not isinstance(bv, torch.Tensor) or bv.dim() != 2 or bv.shape[0] != B:
+        got = tuple(bv.shape) if isinstance(bv, torch.Tensor) else type(bv).__name__
+        raise ValueError(f"LearnerBatch.block_versions: expected shape ({B}, nb), got {got}")
+    if bv.dtype != torch.long:
+        raise ValueError(f"LearnerBatch.block_versions: expected dtype torch.int64, got {bv.dtype}")
+    if bv.numel() and int(bv.min()) < -1:
+        raise ValueError(f"LearnerBatch.block_versions: versions are >= 0, or -1 for an undecoded block; got "
+                         f"{int(bv.min())}")
+    decoded = bv >= 0
+    has = decoded.any(1)
+    oldest = torch.where(decoded, bv, torch.iinfo(torch.long).max).amin(1) if bv.shape[1] else bv.new_zeros(B)
+    if weight_version is None:
+        if not bool(has.all()):
+            row = int((~has).nonzero()[0])
+            raise ValueError(f"LearnerBatch.block_versions: row {row} has no decoded block; give weight_version")
+        return oldest
+    wv = weight_version.long()
+    bad = has & (wv.cpu() != oldest.cpu())
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        raise ValueError(f"LearnerBatch.weight_version: row {row} has version {int(wv[row])} but its oldest decoded "
+                         f"block is version {int(oldest[row])} (block_versions); they must be equal")
+    return wv
+
+
+def pad_block_versions(rows: list[list[int]], B: int, nb: int) -> torch.Tensor:
+    """(B, nb) long: per-row block-version lists (index = absolute block) right-padded with -1. A row with a
+    version for a block >= nb (no position of the batch) is refused."""
+    if len(rows) != B:
+        raise ValueError(f"block_versions: {len(rows)} lists for {B} rows")
+    out = torch.full((B, nb), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        r = [int(v) for v in r]
+        past = [nb + j for j, v in enumerate(r[nb:]) if v >= 0]
+        if past:
+            raise ValueError(f"block_versions: row {i} has a version for block {past[0]}, past the batch's {nb} "
+                             "blocks")
+        if r[:nb]:
+            out[i, : min(len(r), nb)] = torch.tensor(r[:nb], dtype=torch.long)
+    return out
 
 
 def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], advantages: torch.Tensor,
                         group_ids: torch.Tensor, pad_id: int, tail_ids: list[list[int]] | None = None,
                         weight_version: list[int] | None = None, lev_drafts: list | None = None,
                         turns: list[tuple[list[bool], list[int]] | None] | None = None,
-                        block_size: int | None = None) -> LearnerBatch:
+                        block_size: int | None = None, block_versions: list[list[int]] | None = None) -> LearnerBatch:
     """Right-padded learner batch.
 
     prompt_ids[i], response_ids[i]: token ids (the response ends at its first EOS, EOS included, or is
@@ -215,6 +275,11 @@ def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int
     prompt + response (`rollout.trajectory.Trajectory`): only generated positions are scored, and a block
     holding model tokens with a later segment raises ValueError (`ebpo.core.likelihood.turn_response_mask`,
     which needs `block_size`).
+    block_versions[i] (optional; partial rollouts): row i's weight version per absolute block from block 0 (the
+    prompt's blocks included), -1 for a block no forward decoded; padded with -1 to nb = ceil(L / block_size)
+    (needs `block_size`). An empty list (or None) means row i was decoded under weight_version[i] alone: its
+    blocks holding scored positions get that version. weight_version may be left out when every row has a
+    list: each row's is then its oldest decoded block's (`LearnerBatch.block_versions`).
     """
     B = len(prompt_ids)
     tails = tail_ids if tail_ids is not None else [[] for _ in range(B)]
@@ -233,6 +298,19 @@ def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int
     if turns is not None and any(t is not None for t in turns):
         response_mask = _turn_masks(response_mask, turns, [len(p) + len(r) for p, r in zip(prompt_ids, scored)],
                                     block_size)
+    bv = None
+    if block_versions is not None:
+        if block_size is None:
+            raise ValueError("build_learner_batch: block_versions need block_size")
+        bv = pad_block_versions([r or [] for r in block_versions], B, -(-L // block_size))
+        one = [i for i, r in enumerate(block_versions) if not r]  # decoded under weight_version alone
+        if one:
+            if weight_version is None:
+                raise ValueError(f"build_learner_batch: row {one[0]} has no block_versions; give weight_version")
+            nb = bv.shape[1]
+            scored = torch.nn.functional.pad(response_mask[one], (0, nb * block_size - L))
+            has = scored.view(len(one), nb, block_size).any(-1)
+            bv[one] = torch.where(has, torch.tensor([weight_version[i] for i in one])[:, None], -1)
     return LearnerBatch(
         input_ids=input_ids,
         prompt_lens=torch.tensor([len(p) for p in prompt_ids], dtype=torch.long),
@@ -242,6 +320,7 @@ def build_learner_batch(prompt_ids: list[list[int]], response_ids: list[list[int
         group_ids=group_ids.long(),
         weight_version=None if weight_version is None else torch.tensor(weight_version, dtype=torch.long),
         lev_drafts=lev_drafts,
+        block_versions=bv,
     )
 
 

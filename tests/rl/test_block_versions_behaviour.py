@@ -1,0 +1,304 @@
+"""Block-exact behaviour terms for partial rollouts (`LearnerBatch.block_versions`, `ebpo.rl.async_behaviour`).
+
+A row decoded under several weight versions (switched at block boundaries) gets the behaviour composite
+sum_b (block b's term under the version that decoded block b). Checked against a plain per-block loop: each
+version's weights loaded into a fresh model, per-block terms on the learner's own noise draws, picked per
+block, summed. Also: one version per row is today's update bit for bit, a frozen policy gives importance
+weights of exactly 1, multi-turn and Levenshtein rows, and the refusals of bad inputs.
+"""
+import copy
+
+import pytest
+import torch
+
+import ebpo.rl.learner as learner_mod
+from ebpo.core.likelihood import all_composites
+from ebpo.rl.learner import EBPOLearner, LearnerConfig
+from ebpo.rl.records import LearnerBatch, build_learner_batch
+from test_learner_group import _model
+
+K = 4  # the tiny model's block size
+EPS = torch.finfo(torch.float32).eps
+
+
+def _batch(model, seed, versions, block_versions=None):
+    """4 rows of prompt 5 + response 11 (EOS at 15) + padding to 20: blocks 1-3 hold response tokens, block 0 is
+    prompt only and block 4 padding (version -1)."""
+    g = torch.Generator().manual_seed(seed)
+    eos, B = model.config.eos_token_id, len(versions)
+    ids = torch.randint(3, eos + 100, (B, 20), generator=g)
+    ids[:, 15:] = eos
+    out = {"input_ids": ids, "prompt_lens": torch.full((B,), 5), "advantages": torch.randn(B, generator=g),
+           "weight_version": torch.tensor(versions)}
+    if block_versions is not None:
+        out["block_versions"] = torch.tensor(block_versions)
+    return out
+
+
+def _uniform(versions):
+    """Block versions of `_batch` rows decoded under one version each."""
+    return [[-1, v, v, v, -1] for v in versions]
+
+
+# update 2 (learner at version 2, s = 2): a 3-version split, a 2-version split at block 2, fresh, stale
+SPLIT = [[-1, 0, 1, 2, -1], [-1, 1, 2, 2, -1], [-1, 2, 2, 2, -1], [-1, 1, 1, 1, -1]]
+
+
+class Spy:
+    """Records the noise of `prepare_behaviour` and every (rows, prox, behaviour) the loss receives."""
+
+    def __init__(self, monkeypatch):
+        self.noise, self.calls = None, []
+        prepare, of_rows = learner_mod.prepare_behaviour, learner_mod.behaviour_of_rows
+
+        def spy_prepare(learner, wv, ids, noise, *args, **kwargs):
+            self.noise = noise
+            return prepare(learner, wv, ids, noise, *args, **kwargs)
+
+        def spy_rows(behaviour, rows, prox):
+            out = of_rows(behaviour, rows, prox)
+            self.calls.append((rows.clone(), prox.detach().clone(), out.detach().clone()))
+            return out
+
+        monkeypatch.setattr(learner_mod, "prepare_behaviour", spy_prepare)
+        monkeypatch.setattr(learner_mod, "behaviour_of_rows", spy_rows)
+
+
+def _run(monkeypatch, fields, batches, lr=0.05, model_fn=_model, s=2):
+    """A learner over `batches` (dicts); returns (learner, spy of the last update, weights of each version,
+    metrics of the last update)."""
+    learner = EBPOLearner(model_fn(), LearnerConfig(lr=lr, n_draws=2, seed=0, max_staleness=s, **fields))
+    states = {}
+    for i, batch in enumerate(batches):
+        states[learner.updates_done] = copy.deepcopy(learner.model.state_dict())
+        spy = Spy(monkeypatch) if i == len(batches) - 1 else None
+        metrics = learner.update(batch)
+    return learner, spy, states, metrics
+
+
+def _reference(states, model_fn, batch, block_versions, noise, cfg):
+    """Plain per-block loop: (B, N) sum over blocks b of b's term under the weights of block_versions[i][b],
+    and the magnitude sum_b sum_v |term_v[b]| of every value used (for the tolerance)."""
+    ids = torch.as_tensor(batch["input_ids"])
+    terms = {}
+    for v, state in states.items():
+        model = model_fn()
+        model.load_state_dict(state)
+        model.train()  # as the learner's model
+        with torch.no_grad():
+            _, terms[v] = all_composites(model, ids, noise, model.config.mask_token_id, packed=cfg.packed,
+                                         return_blocks=True)
+    B, N, nb = terms[0].shape
+    ref, mag = torch.zeros(B, N), torch.zeros(B, N)
+    for i in range(B):
+        for b in range(nb):
+            v = block_versions[i][b] if b < len(block_versions[i]) else -1
+            for u in terms:
+                mag[i] += terms[u][i, :, b].abs()
+            if v >= 0:
+                ref[i] += terms[v][i, :, b]
+            else:  # an undecoded block carries no term under any policy
+                assert all(float(terms[u][i, :, b].abs().max()) == 0.0 for u in terms)
+    return ref, mag, nb
+
+
+def _tolerance(mag, nb, model):
+    """|learner - reference| bound: the learner's micro-batch forward and the reference's whole-batch one differ
+    only in rounding; a log-prob from reductions over at most `hidden` terms (and a softmax over the
+    vocabulary) is accurate to ~(hidden + log V) eps of its magnitude, and the delta form adds 2 nb + 1 terms."""
+    H = model.config.hidden_size
+    return 4 * EPS * (H + 2 * nb + 1 + float(torch.log(torch.tensor(float(model.config.vocab_size))))) * mag
+
+
+def _behaviour_by_row(spy, B):
+    """The behaviour composite (B, N) the loss received for each row (first occurrence) and the proximal one."""
+    behav, prox = [None] * B, [None] * B
+    for rows, p, out in spy.calls:
+        for j, r in enumerate(rows.tolist()):
+            if behav[r] is None:
+                behav[r], prox[r] = out[j], p[j]
+    return torch.stack(behav), torch.stack(prox)
+
+
+CONFIGS = [{"mu": 1}, {"mu": 2, "minibatch_size": 2, "max_tokens_per_microbatch": 24}]
+
+
+def _three_updates(model):
+    return [_batch(model, 0, [0, 0, 0, 0]), _batch(model, 1, [0, 1, 1, 0]),
+            _batch(model, 2, [0, 1, 2, 1], block_versions=SPLIT)]
+
+
+@pytest.mark.parametrize("fields", CONFIGS)
+def test_split_rows_get_the_per_block_composite_of_their_versions(monkeypatch, fields):
+    model = _model()
+    batches = _three_updates(model)
+    learner, spy, states, _ = _run(monkeypatch, fields, batches)
+    behav, prox = _behaviour_by_row(spy, 4)
+    ref, mag, nb = _reference(states, _model, batches[-1], SPLIT, spy.noise, learner.cfg)
+    tol = _tolerance(mag, nb, model)
+    assert bool(((behav - ref).abs() <= tol).all()), (behav - ref).abs().max()
+    # not a vacuous check: the split rows' behaviour is far from the proximal (current) composite
+    assert bool(((prox[:2] - ref[:2]).abs() > 10 * tol[:2]).all())
+    assert torch.equal(behav[2], prox[2])  # the fresh row: weight exactly 1
+
+
+@pytest.mark.parametrize("fields", CONFIGS)
+def test_frozen_policy_gives_split_rows_a_weight_of_exactly_one(monkeypatch, fields):
+    model = _model()
+    _, spy, _, m = _run(monkeypatch, fields, _three_updates(model), lr=0.0)
+    assert m["actor/is_weight_min"] == 1.0 and m["actor/is_weight_max"] == 1.0, m
+    assert m["actor/behav_log_ratio_mean"] == 0.0 and m["actor/is_truncated_frac"] == 0.0
+    behav, prox = _behaviour_by_row(spy, 4)
+    assert torch.equal(behav, prox)
+
+
+def test_one_version_per_row_is_todays_update_bit_for_bit():
+    runs = []
+    for with_blocks in (False, True):
+        model = _model()
+        learner = EBPOLearner(model, LearnerConfig(lr=0.05, n_draws=2, seed=0, max_staleness=2, mu=2,
+                                                   minibatch_size=2))
+        metrics = []
+        for seed, v in enumerate([[0, 0, 0, 0], [0, 1, 1, 0], [0, 1, 2, 2]]):
+            metrics.append(learner.update(_batch(model, seed, v, _uniform(v) if with_blocks else None)))
+        runs.append(([{k: x for k, x in m.items() if not k.startswith("timing_s/")} for m in metrics],
+                     [p.detach().clone() for p in learner.model.parameters()]))
+    (ma, wa), (mb, wb) = runs
+    assert ma == mb
+    assert all(torch.equal(p, q) for p, q in zip(wa, wb))
+    assert ma[2]["actor/behav_log_ratio_mean"] != 0.0  # stale rows were there to be weighted
+
+
+def _trajectory_row(prompt, turns):
+    """(ids, generated, segment) of a multi-turn row: `turns` = [(model ids, observation ids or None)]."""
+    ids, gen, seg = list(prompt), [False] * len(prompt), [0] * len(prompt)
+    for t, (model_ids, obs) in enumerate(turns):
+        ids += model_ids
+        gen += [True] * len(model_ids)
+        seg += [2 * t + 1] * len(model_ids)
+        if obs:
+            ids += obs
+            gen += [False] * len(obs)
+            seg += [2 * t + 2] * len(obs)
+    return ids, gen, seg
+
+
+def test_multi_turn_rows_split_across_versions_match_the_per_block_loop(monkeypatch):
+    # prompt of 6 (turn 1 ends block 1), a 5-token observation (block 2 observation only), turn 2 from position
+    # 13 (blocks 3-4), decoded after the weights moved: blocks [-1, 0, -1, 1, 1]
+    model = _model()
+    ids, gen, seg = _trajectory_row([4, 5, 6, 7, 8, 9], [([20, 21], [50, 51, 52, 53, 54]),
+                                                          ([22, 23, 24, 25, 26, 1], None)])
+    prompts = [ids[:6], [4, 5, 6]]
+    responses = [ids[6:], [30, 31, 32, 33, 1]]
+    bv = [[-1, 0, -1, 1, 1], [0, 1]]  # the single-turn row: block 0 under version 0, block 1 under 1
+    batch = build_learner_batch(prompts, responses, torch.tensor([1.0, -1.0]), torch.arange(2), pad_id=1,
+                                turns=[(gen, seg), None], block_size=K, block_versions=bv)
+    assert batch.block_versions.tolist() == [[-1, 0, -1, 1, 1], [0, 1, -1, -1, -1]]
+    assert batch.weight_version.tolist() == [0, 0]  # derived: the oldest decoded block
+    first = _batch(model, 0, [0, 0])
+    learner, spy, states, _ = _run(monkeypatch, {"mu": 2}, [first, batch], s=1)
+    behav, prox = _behaviour_by_row(spy, 2)
+    ref, mag, nb = _reference(states, _model, {"input_ids": batch.input_ids}, batch.block_versions.tolist(),
+                              spy.noise, learner.cfg)
+    tol = _tolerance(mag, nb, model)
+    assert bool(((behav - ref).abs() <= tol).all()), (behav - ref).abs().max()
+    assert bool(((prox - ref).abs() > 10 * tol).all())
+
+
+DEL, INS, MASK = 105, 106, 2
+
+
+def _lev_model():
+    m = _model()
+    m.config.delete_token_id, m.config.insert_token_id = DEL, INS
+    return m
+
+
+def test_levenshtein_rows_split_across_versions_match_the_per_block_loop(monkeypatch):
+    # the rows and pre-edit drafts of tests/levenshtein/test_lev_ebpo.py (L = 10: blocks 0-3, 4-7, 8-9)
+    ids = torch.tensor([[5, 6, 7, 20, 21, 22, 23, 24, 25, 1],
+                        [8, 9, 10, 11, 12, 30, 31, 32, 33, 34],
+                        [13, 14, 40, 41, 42, 43, 44, 45, 46, 47]])
+    resp = torch.zeros_like(ids, dtype=torch.bool)
+    for i, p in enumerate([3, 5, 2]):
+        resp[i, p:] = True
+    drafts = [[(1, [22, 22, 23, 24])], [(3, [33, 35, 36, MASK]), (-1, [12, 30, 30, 31])], []]
+    bv = [[0, 1, 1], [-1, 0, 1], [1, 1, 1]]
+    batch = {"input_ids": ids, "prompt_lens": torch.tensor([3, 5, 2]), "response_mask": resp,
+             "advantages": torch.tensor([1.0, -0.5, 0.3]), "lev_drafts": drafts, "block_versions": bv}
+    first = {k: v for k, v in batch.items() if k not in ("block_versions", "lev_drafts")}
+    learner, spy, states, _ = _run(monkeypatch, {"mu": 2, "levenshtein": True}, [first, batch], model_fn=_lev_model,
+                                s=1)
+    plain = torch.where(spy.noise.masked, MASK, ids[None])  # EBPO's noisy input: the drafts really enter
+    assert spy.noise.noisy_ids is not None and not torch.equal(spy.noise.noisy_ids, plain)
+    behav, prox = _behaviour_by_row(spy, 3)
+    ref, mag, nb = _reference(states, _lev_model, batch, bv, spy.noise, learner.cfg)
+    tol = _tolerance(mag, nb, learner.model)
+    assert bool(((behav - ref).abs() <= tol).all()), (behav - ref).abs().max()
+    assert bool(((prox[:2] - ref[:2]).abs() > 10 * tol[:2]).all())
+
+
+def _lb(**fields):
+    base = dict(input_ids=torch.zeros(2, 12, dtype=torch.long), prompt_lens=torch.tensor([2, 3]),
+                response_mask=torch.zeros(2, 12, dtype=torch.bool), advantages=torch.zeros(2))
+    return LearnerBatch(**{**base, **fields})
+
+
+def test_learner_batch_checks_block_versions():
+    with pytest.raises(ValueError, match=r"^LearnerBatch\.block_versions: expected shape \(2, nb\), got \(3, 3\)$"):
+        _lb(block_versions=torch.zeros(3, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^LearnerBatch\.block_versions: expected shape \(2, nb\), got \(2,\)$"):
+        _lb(block_versions=torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^LearnerBatch\.block_versions: expected dtype torch\.int64, got torch\.float32$"):
+        _lb(block_versions=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"-1 for an undecoded block; got -2$"):
+        _lb(block_versions=torch.tensor([[0, -2, 1], [0, 0, 0]]))
+    with pytest.raises(ValueError, match=r"^LearnerBatch\.weight_version: row 1 has version 2 but its oldest decoded "
+                                         r"block is version 1"):
+        _lb(block_versions=torch.tensor([[-1, 1, 2], [-1, 1, 2]]), weight_version=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"row 1 has no decoded block; give weight_version$"):
+        _lb(block_versions=torch.tensor([[-1, 1, 2], [-1, -1, -1]]))
+    b = _lb(block_versions=torch.tensor([[-1, 3, 2], [-1, -1, -1]]), weight_version=torch.tensor([2, 5]))
+    assert b.weight_version.tolist() == [2, 5]  # checked; a row with no decoded block keeps its own
+    assert _lb(block_versions=torch.tensor([[-1, 3, 2], [4, 4, -1]])).weight_version.tolist() == [2, 4]  # derived
+    m = LearnerBatch.from_mapping({"input_ids": [[5] * 12] * 2, "prompt_lens": [2, 3], "advantages": [0.0, 0.0],
+                                   "block_versions": [[-1, 1], [0, 0, 1]]}, eos_id=1)
+    assert m.block_versions.tolist() == [[-1, 1, -1], [0, 0, 1]] and m.weight_version.tolist() == [1, 0]
+    with pytest.raises(ValueError, match="block_versions need block_size"):
+        build_learner_batch([[1, 2]], [[3, 4]], torch.zeros(1), torch.zeros(1), pad_id=0, block_versions=[[0]])
+    with pytest.raises(ValueError, match=r"^block_versions: row 0 has a version for block 2, past the batch's 2 blocks$"):
+        build_learner_batch([[1, 2]], [[3, 4]], torch.zeros(1), torch.zeros(1), pad_id=0, block_size=2,
+                            block_versions=[[-1, 0, 1]])
+    ok = build_learner_batch([[1, 2]], [[3, 4]], torch.zeros(1), torch.zeros(1), pad_id=0, block_size=2,
+                             block_versions=[[-1, 0, -1]])
+    assert ok.block_versions.tolist() == [[-1, 0]] and ok.weight_version.tolist() == [0]
+    # an empty list: the row was decoded under its weight_version alone (its blocks with scored tokens get it)
+    mixed = build_learner_batch([[1, 2, 3], [1]], [[4, 5, 6], [7]], torch.zeros(2), torch.zeros(2), pad_id=0,
+                                block_size=2, block_versions=[[], [0, -1, -1]], weight_version=[3, 0])
+    assert mixed.block_versions.tolist() == [[-1, 3, 3], [0, -1, -1]]
+    with pytest.raises(ValueError, match="row 0 has no block_versions; give weight_version"):
+        build_learner_batch([[1, 2, 3]], [[4]], torch.zeros(1), torch.zeros(1), pad_id=0, block_size=2,
+                            block_versions=[[]])
+
+
+def test_learner_refuses_bad_block_versions():
+    model = _model()
+    learner = EBPOLearner(model, LearnerConfig(lr=0.01, n_draws=2, seed=0, max_staleness=1))
+    learner.update(_batch(model, 0, [0, 0]))
+    learner.update(_batch(model, 1, [0, 1]))  # learner now at version 2, s = 1: versions 1..2 allowed
+    cases = [([[-1, 1, 2, 3, -1], [-1, 2, 2, 2, -1]], r"row 0 block 3: version 3 is newer than the learner's "
+                                                        r"version 2"),
+             ([[-1, 0, 1, 2, -1], [-1, 2, 2, 2, -1]], r"row 0 block 1: version 0 is more than learner\.max_staleness "
+                                                        r"= 1 versions behind"),
+             ([[-1, 1, -1, 2, -1], [-1, 2, 2, 2, -1]], r"row 0 block 2: version -1 holds scored tokens but no version"),
+             ([[-1, 1, 2, 2, -1, 2], [-1, 2, 2, 2, -1, -1]], r"row 0 has a version for block 5, past the batch's 5 "
+                                                               r"blocks")]
+    for bv, msg in cases:
+        wv = [min(v for v in row if v >= 0) for row in bv]
+        with pytest.raises(ValueError, match=r"^batch\.block_versions: " + msg):
+            learner.update(_batch(model, 2, wv, bv))
+    assert learner.updates_done == 2
+    short = [[-1, 1, 2, 2], [-1, 2, 2, 2]]  # missing trailing columns read as -1 (block 4 is padding)
+    m = learner.update(_batch(model, 2, [1, 2], short))
+    assert m["actor/is_weight_max"] >= m["actor/is_weight_min"] > 0
