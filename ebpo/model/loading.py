@@ -22,6 +22,9 @@ SHIPPED_MODELS = {
     # tiny-sft fine-tuned on calculator-tool trajectories (recipes/sft_tiny_agent.yaml): the agentic task's
     # starting point (docs/training.md)
     "tiny-agent": ASSETS / "tiny-agent",
+    # tiny-sft fine-tuned on reasoning-gym's basic_arithmetic questions with worked answers
+    # (recipes/sft_tiny_reasoning_gym.yaml): the reasoning-gym RL recipe's starting point
+    "tiny-sft-rg": ASSETS / "tiny-sft-rg",
 }
 
 
