@@ -29,13 +29,25 @@ def extract_answer(completion: str) -> str:
     return text.strip()
 
 
+def row_metadata(metadata, key: str) -> dict | None:
+    """The task library's metadata dict holding `key`: `metadata` itself (`ebpo eval` passes the row's
+    `metadata`), or `metadata["metadata"]` (the RL loop passes the row's other fields as `metadata`, so the
+    row's own `metadata` field sits one level down); None when neither holds it."""
+    for meta in (metadata, metadata.get("metadata") if isinstance(metadata, dict) else None):
+        if isinstance(meta, dict) and meta.get(key):
+            return meta
+    return None
+
+
 def reasoning_gym_score(*, completion: str, answer, metadata, prompt: str | None = None, **_) -> RewardResult:
     """reasoning-gym's `score_answer` for the row's task, on the answer extracted from `completion`.
 
-    answer, metadata: the reasoning-gym entry's fields (the row's); prompt: its question. Returns the task's
+    answer, metadata: the reasoning-gym entry's fields (the row's, or the RL loop's metadata holding them,
+    `row_metadata`); prompt: its question. Returns the task's
     score in [0, 1]; skips (score None) when the row is not a reasoning-gym entry or reasoning-gym is not
     installed; a verifier that raises scores 0.0 (extras["error"] names the exception). extras: `pred`."""
-    if not isinstance(metadata, dict) or not metadata.get("source_dataset"):
+    metadata = row_metadata(metadata, "source_dataset")
+    if metadata is None:
         return skip("not a reasoning-gym row: metadata has no source_dataset")
     try:
         import reasoning_gym

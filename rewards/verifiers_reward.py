@@ -16,6 +16,7 @@ import json
 
 from rewards.api import RewardResult, skip
 from rewards.loader import load_module_file
+from rewards.reasoning_gym_reward import row_metadata
 
 _ENVS: dict = {}  # (ref, env_args as JSON) -> environment, one per process
 _UNUSED_URL = "http://127.0.0.1:9/v1"  # scoring never calls the model: the state only needs a client object
@@ -55,9 +56,11 @@ async def score_with_rubric(env, env_input: dict, completion) -> tuple[float, di
 
 async def verifiers_reward(*, completion: str, metadata, **_) -> RewardResult:
     """The rubric's reward of `completion` for a row built from a verifiers environment (metadata["verifiers"]:
-    env, env_args, input). Skips rows that are not from one or when verifiers is missing; an environment or
-    rubric that raises scores 0.0 (extras["error"]). extras: the rubric's metrics."""
-    vf_meta = metadata.get("verifiers") if isinstance(metadata, dict) else None
+    env, env_args, input; or one level down, as the RL loop passes it: `row_metadata`). Skips rows that are
+    not from one or when verifiers is missing; an environment or rubric that raises scores 0.0
+    (extras["error"]). extras: the rubric's metrics."""
+    holder = row_metadata(metadata, "verifiers")
+    vf_meta = holder["verifiers"] if holder is not None else None
     if not isinstance(vf_meta, dict) or "env" not in vf_meta or "input" not in vf_meta:
         return skip("not a verifiers row: metadata has no verifiers.env / verifiers.input")
     try:

@@ -56,3 +56,16 @@ def test_ebpo_eval_scores_reasoning_gym_rows_with_the_tasks_verifier():
     wrong = [f"\\boxed{{{r['answer'][::-1]}}}" if r["answer"] != r["answer"][::-1] else "\\boxed{zz}" for r in rows]
     assert task_of(rows[0]) == "spell_backward"
     assert score_rows(rows, right) == [1.0] * 4 and score_rows(rows, wrong) == [0.0] * 4
+
+
+def test_the_reward_reads_rows_as_the_rl_loop_passes_them():
+    """The RL loop gives a reward the row's other fields as `metadata` (ebpo.rl.prompts.reward_input), so a
+    reasoning-gym row's own metadata sits one level down."""
+    from ebpo.rl.prompts import reward_input
+
+    fn = load_reward("reasoning_gym")
+    for row in load_rows("rg:basic_arithmetic?size=5&seed=4"):
+        right = reward_input(row, f"\\boxed{{{row['answer']}}}", "prompt")
+        wrong = reward_input(row, "\\boxed{x}", "prompt")
+        assert fn(**{k: right[k] for k in ("completion", "answer", "metadata", "prompt")}).score == 1.0
+        assert fn(**{k: wrong[k] for k in ("completion", "answer", "metadata", "prompt")}).score == 0.0

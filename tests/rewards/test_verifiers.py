@@ -69,3 +69,12 @@ def test_bad_sources_and_rows():
     broken = {"metadata": {"verifiers": {"env": "tests/rewards/data/no_such_file.py", "env_args": {}, "input": {}}}}
     res = score("x", broken)
     assert res.score == 0.0 and "error" in res.extras  # an environment that fails costs the sample, not the run
+
+
+def test_the_reward_reads_rows_as_the_rl_loop_passes_them():
+    from ebpo.rl.prompts import reward_input
+
+    for row in load_rows(f"vf:{TINY_MATH}?num_examples=3"):
+        seen = reward_input(row, f"\\boxed{{{row['answer']}}}", "prompt")
+        assert "verifiers" not in seen["metadata"]  # one level down, under the row's own metadata field
+        assert score(seen["completion"], seen).score == 1.0
