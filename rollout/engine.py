@@ -404,8 +404,12 @@ class Engine:
         self._append_observation(s, turn, obs)
 
     def _append_observation(self, s: Sequence, turn: TurnRecord, obs: str | None) -> None:
-        obs_ids = self.tokenizer(self.mt.observation_template.format(observation=obs or ""),
-                                 add_special_tokens=False)["input_ids"]
+        given = turn.info.pop("observation_ids", None)  # an environment that owns tokenisation (the agent gateway)
+        if given is not None:
+            obs_ids = [int(t) for t in given]
+        else:
+            obs_ids = self.tokenizer(self.mt.observation_template.format(observation=obs or ""),
+                                     add_special_tokens=False)["input_ids"]
         lo = s.length
         if lo + len(obs_ids) + 1 > self._budget():
             empty = len(self.tokenizer(self.mt.observation_template.format(observation=""),

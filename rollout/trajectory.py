@@ -65,6 +65,9 @@ class Trajectory:
     lev_drafts: for each block in which a DELETE / INSERT ran, (offset of the block's start from the end of
     `prompt_ids`, the block's tokens before its first operation): the pre-edit drafts L-EBPO reads, as in
     `GenerationOutput.lev_drafts`.
+    agent: agent RL (`ebpo.serve.gateway`): the agent function's record ({"reward": ...} or the dict it
+    returned), None for an environment's trajectory; segments: the episode's earlier segments, ended because
+    a request rewrote the history (each a `to_dict()` with stop "rewritten"); this trajectory is the last.
     """
 
     prompt_ids: list[int]
@@ -82,6 +85,8 @@ class Trajectory:
     num_deletes: int = 0
     num_inserts: int = 0
     lev_drafts: list = field(default_factory=list)
+    agent: dict | None = None
+    segments: list = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:

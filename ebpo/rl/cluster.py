@@ -27,6 +27,7 @@ from ebpo.rl.config import RLConfig
 from ebpo.rl.learner_actor import LearnerActor
 from ebpo.rl.learner_group import LearnerGroup
 from ebpo.rl.records import RolloutSample
+from ebpo.serve.agents import AgentRolloutWorker
 
 log = logging.getLogger("ebpo")
 
@@ -61,7 +62,10 @@ class Cluster:
         reward_cls = ray.remote(num_cpus=cfg.ray.reward_cpus)(RewardWorker)
         self._placement = self._place()
         env = {}
-        if cfg.env.multi_turn:  # the worker builds one environment per trajectory (rollout never imports rewards)
+        if cfg.env.agent:  # agent RL: the worker runs the agent function through its in-process gateway
+            rollout_cls = ray.remote(num_cpus=0, num_gpus=cfg.ray.rollout_gpus)(AgentRolloutWorker)
+            env = {"agent": cfg.env.agent, "agent_kwargs": dict(cfg.env.kwargs), "multiturn": asdict(cfg.env.turns)}
+        elif cfg.env.multi_turn:  # the worker builds one environment per trajectory (rollout never imports rewards)
             env = {"env_factory": functools.partial(make_environment, cfg.env.name, dict(cfg.env.kwargs)),
                    "multiturn": asdict(cfg.env.turns)}
 

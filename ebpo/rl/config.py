@@ -153,10 +153,19 @@ class EnvConfig:
                        default_factory=dict)
     turns: MultiTurnConfig = doc("limits of a multi-turn rollout (rollout.multiturn.MultiTurnConfig)",
                                  default_factory=MultiTurnConfig)
+    agent: Optional[str] = doc("agent RL instead of an environment: an async function `agent(client, row)`, "
+                               "package.module:name or path/to/file.py:name, that gets an OpenAI client pointed at an "
+                               "in-process gateway to the rollout worker and returns a reward or a record; env.kwargs "
+                               "are its keyword arguments (docs/rl.md, Agent functions); null = env.name decides", None)
 
     @property
     def multi_turn(self) -> bool:
-        return bool(self.name)
+        return bool(self.name or self.agent)
+
+    def validate(self):
+        if self.name and self.agent:
+            raise ValueError(f"env: set env.name (an environment) or env.agent (an agent function), not both; got "
+                             f"name={self.name!r}, agent={self.agent!r}")
 
 
 @dataclass

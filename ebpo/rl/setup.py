@@ -92,7 +92,7 @@ def check(cfg: RLConfig) -> RLRun:
         log.warning(warning)
     tokenizer = load_model_tokenizer(model_spec)
     # multi-turn: the environment's tools go into every prompt through the chat template (docs/rl.md)
-    prompts = Prompts(cfg.data, tokenizer, environment_tools(cfg) if cfg.env.multi_turn else None)
+    prompts = Prompts(cfg.data, tokenizer, environment_tools(cfg) if cfg.env.name else None)
     train_rows = prompts.load(cfg.data.train, "train")
     eval_rows = prompts.load(cfg.data.eval, "eval") if cfg.data.eval else []
     if cfg.trainer.eval_size and eval_rows:
@@ -103,8 +103,12 @@ def check(cfg: RLConfig) -> RLRun:
     with RewardWorker(reward_specs, num_workers=1, timeout_s=cfg.reward.timeout_s,
                       default_score=cfg.reward.default_score) as probe:
         probe.dry_run(reward_input(train_rows[0], "", cfg.data.prompt_field))
-    if cfg.env.multi_turn:
+    if cfg.env.name:
         check_environment(cfg, train_rows[0])
+    elif cfg.env.agent:  # agent RL: the function must import and take env.kwargs (ebpo/serve/agents.py)
+        from ebpo.serve.agents import load_agent
+
+        load_agent(cfg.env.agent, dict(cfg.env.kwargs))
     run_dir = resolve_run_dir(cfg.trainer.resume or cfg.trainer.run_dir, cfg.name)
     if cfg.trainer.resume and latest_checkpoint(run_dir) is None:
         raise ConfigError(f"trainer.resume: no checkpoint in {run_dir}/checkpoints")

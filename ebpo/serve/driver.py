@@ -33,6 +33,7 @@ class _Submission:
     max_new: int | None
     env: object | None
     future: concurrent.futures.Future
+    on_start: object | None = None
 
 
 @dataclass
@@ -79,15 +80,17 @@ class EngineDriver:
             self._thread.join(timeout)
 
     def submit(self, prompt: list[int], config, generator: torch.Generator | None = None,
-               max_new_tokens: int | None = None, env=None) -> concurrent.futures.Future:
+               max_new_tokens: int | None = None, env=None, on_start=None) -> concurrent.futures.Future:
         """Queue one sequence (token ids, its `DecodeConfig`, its own generator when sampling, a single-turn
         length, an environment for a multi-turn sequence); the Future gives the finished `Sequence` (or the
-        ValueError `Engine.submit` raised, e.g. a prompt too long for the canvas)."""
+        ValueError `Engine.submit` raised, e.g. a prompt too long for the canvas). on_start(sequence, engine)
+        is called in the driver thread once the engine holds the sequence (the agent gateway reads a waiting
+        turn's token ids from the engine's slot through it)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self.error is not None:
             fut.set_exception(RuntimeError(f"the engine driver stopped: {self.error!r}"))
             return fut
-        self.inbox.put(_Submission(list(prompt), config, generator, max_new_tokens, env, fut))
+        self.inbox.put(_Submission(list(prompt), config, generator, max_new_tokens, env, fut, on_start))
         return fut
 
     # ---- the driver thread
@@ -131,6 +134,8 @@ class EngineDriver:
                 sub.future.set_exception(e)
                 continue
             lane.pending.append((seq, sub.future))
+            if sub.on_start is not None:
+                sub.on_start(seq, lane.engine)
 
     def _lane(self, config) -> _Lane:
         if config not in self.lanes:
