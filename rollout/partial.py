@@ -78,7 +78,7 @@ class PartialRollouts:
         slots = max_batch if max_batch > 0 else max(1, len(self.carried) + len(new))  # 0: everything at once
         engine = Engine(model, cfg, max_batch=slots, canvas_len=self._canvas_len(cfg, mt, new, K),
                         tokenizer=tokenizer, mt=mt, version=version, runner=runner)
-        before = {id(s): set(s.block_versions) for s in self.carried}
+        before = {id(s): set(s.block_versions) for s in self.carried + self.done}  # decoded in earlier calls
         stats.carried_in = len(self.carried)
         for s in sorted(self.carried, key=lambda s: s.status == QUEUED):  # active ones take slots first
             engine.adopt(s)

@@ -4,6 +4,7 @@
     learner/       every learner rank's state (`EBPOLearner.save`: weights, optimizer, noise generator)
     model/         the policy as a Hugging Face folder with the tokenizer (`ebpo export` reads it)
     in_flight.pt   asynchronous RL: the `StepRecord`s of the steps collected ahead of the learner
+    partial.pt     partial rollouts: the driver's ledger and every rollout worker's carried sequences
     state.json     step, prompt-sampler position, weight version, W&B run id, the run's events
 """
 from __future__ import annotations
@@ -30,6 +31,10 @@ def save(run: "RLRun", step: int, sampler: dict, in_flight: Optional[list[StepRe
         run.tokenizer.save_pretrained(str(folder / "model"))
         if in_flight is not None:
             torch.save(in_flight, folder / "in_flight.pt")
+        if run.partial is not None:  # partial rollouts: the sequences carried over, with their state
+            from ebpo.rl.partial_collect import partial_state
+
+            torch.save(partial_state(run), folder / "partial.pt")
 
     state = {"sampler": sampler, **run.weights.state(), "wandb_run_id": run.tracker.run_id,
              "events": list(run.events)}
@@ -52,4 +57,9 @@ def restore(run: "RLRun") -> Optional[str]:
     run.events[:] = state.get("events", [])
     saved = path / "in_flight.pt"
     run.in_flight = torch.load(saved, weights_only=False) if saved.exists() else []
+    if run.partial is not None:
+        from ebpo.rl.partial_collect import restore_partial
+
+        partial = path / "partial.pt"
+        restore_partial(run, torch.load(partial, weights_only=False) if partial.exists() else None)
     return state.get("wandb_run_id")

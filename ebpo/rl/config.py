@@ -128,10 +128,37 @@ class TrainerConfig:
                              "rollouts and rewards of step k are made with the weights after step k - 1 - s while "
                              "the learner trains, so a sample lags the learner by at most s weight versions and "
                              "is trained with the decoupled off-policy loss (docs/rl.md, Asynchronous RL)", 0)
+    partial_rollouts: bool = doc("partial rollouts: a step trains on the prompt groups that finished; unfinished "
+                                 "sequences stop at a block boundary and carry over to the next step under the "
+                                 "newer weights, every block recording the version that decoded it, and the learner "
+                                 "takes each block's behaviour term from that version (docs/rl.md, Partial "
+                                 "rollouts). Works with max_staleness 0 and > 0, single- and multi-turn", False)
+    partial_max_lag: Optional[int] = doc("partial rollouts: a group holding a sequence whose oldest block would be "
+                                         "more than this many versions behind the learner that trains it is dropped "
+                                         "and counted (partial/dropped); the learner keeps this many weight versions. "
+                                         "null = max_staleness + 1", None)
+    partial_extra_groups: Optional[int] = doc("partial rollouts: prompt groups kept in flight beyond the "
+                                              "prompts_per_step a step trains on, so that a step takes the first "
+                                              "groups to finish while stragglers run on (the first step draws "
+                                              "them; later steps draw as many as finished). null = "
+                                              "rollout.prompts_per_step", None)
     progress: bool = doc("rich progress display", True)
     plots: bool = doc("write PNG plots into the run directory at the end", True)
 
     def validate(self):
+        if self.partial_max_lag is not None and (isinstance(self.partial_max_lag, bool)
+                                                 or not isinstance(self.partial_max_lag, int)
+                                                 or self.partial_max_lag < max(1, self.max_staleness)):
+            raise ValueError(f"trainer.partial_max_lag: must be an integer >= max(1, trainer.max_staleness) = "
+                             f"{max(1, self.max_staleness)} or null, got {self.partial_max_lag!r}")
+        if self.partial_extra_groups is not None and (isinstance(self.partial_extra_groups, bool)
+                                                      or not isinstance(self.partial_extra_groups, int)
+                                                      or self.partial_extra_groups < 0):
+            raise ValueError(f"trainer.partial_extra_groups: must be an integer >= 0 or null, got "
+                             f"{self.partial_extra_groups!r}")
+        if self.partial_rollouts and self.dynamic_sampling:
+            raise ValueError("trainer.partial_rollouts: cannot be combined with trainer.dynamic_sampling (a partial "
+                             "step trains on the groups that finished; set trainer.dynamic_sampling=0)")
         if self.steps < 0:
             raise ValueError("trainer.steps: must be >= 0")
         if self.dynamic_sampling < 0:
@@ -228,9 +255,13 @@ class RLConfig:
     def validate(self):
         """Cross-section checks, and the learner fields an RL recipe derives from its trainer section:
         `learner.total_steps` (unset = trainer.steps), `learner.seed` (unset = trainer.seed) and
-        `learner.max_staleness` (always trainer.max_staleness, its one owner)."""
+        `learner.max_staleness` (always trainer.max_staleness, its one owner; with partial rollouts the lag
+        bound, trainer.partial_max_lag)."""
         lc, tc = self.learner, self.trainer
-        if lc.max_staleness and lc.max_staleness != tc.max_staleness:
+        # partial rollouts: the learner keeps the versions a carried-over block may come from
+        keep = (tc.partial_max_lag if tc.partial_max_lag is not None else tc.max_staleness + 1) \
+            if tc.partial_rollouts else tc.max_staleness
+        if lc.max_staleness and lc.max_staleness != keep:
             if tc.max_staleness:
                 raise ConfigError(f"learner.max_staleness = {lc.max_staleness} conflicts with trainer.max_staleness = "
                                   f"{tc.max_staleness}; set trainer.max_staleness only (it sets the learner's)")
@@ -238,7 +269,8 @@ class RLConfig:
                           "trainer.max_staleness instead", DeprecationWarning, stacklevel=2)
             tc.max_staleness = lc.max_staleness
             tc.validate()
-        lc.max_staleness = tc.max_staleness
+            keep = tc.max_staleness
+        lc.max_staleness = keep
         if lc.total_steps is None:
             lc.total_steps = tc.steps
         if lc.seed is None:

@@ -38,6 +38,9 @@ class RolloutSample:
     trajectory: a multi-turn rollout's record (`rollout.trajectory.Trajectory.to_dict()`: `prompt_ids`, `ids`,
     `generated`, `segment`, `turns`, ...), None for single-turn samples. Then token_ids is `ids` after
     `prompt_ids` and text is the last turn's text.
+    block_versions: partial rollouts (`trainer.partial_rollouts`): per absolute block of prompt + response, the
+    weight version that decoded it, -1 for blocks no forward decoded; weights_version is then the oldest.
+    Empty otherwise (every block is weights_version's).
     """
     token_ids: list[int]
     text: str
@@ -51,6 +54,7 @@ class RolloutSample:
     lev_drafts: list = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     trajectory: Optional[dict] = None
+    block_versions: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if not isinstance(self.token_ids, list) or not all(isinstance(t, int) for t in self.token_ids):

@@ -62,6 +62,7 @@ class RLRun:
     resumed: bool = False
     in_flight: list[StepRecord] = field(default_factory=list)
     version_log: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    partial: Any = None  # ebpo.rl.partial_collect.PartialLedger with trainer.partial_rollouts
 
     @property
     def eos_id(self) -> int:
@@ -173,6 +174,10 @@ def start_run(cfg: RLConfig) -> RLRun:
     run.cluster = Cluster(cfg, run.model_spec, run.reward_specs, run.events)
     run.cluster.start(run.weights.restart_weights)
     run.weights.attach(run.cluster.learner, run.cluster.rollout_workers)
+    if cfg.trainer.partial_rollouts:
+        from ebpo.rl.partial_collect import PartialLedger
+
+        run.partial = PartialLedger()
     run_id = None
     if cfg.trainer.resume:
         run_id = restore(run)
@@ -218,4 +223,9 @@ def rebuild_learner(run: RLRun, err: Exception) -> int:
     run.sampler.restore({"epoch": 0, "position": 0})
     run.weights.reset()
     run.start_step, run.in_flight = 0, []
+    if run.partial is not None:  # back to the start: nothing in flight anywhere
+        from ebpo.rl.partial_collect import PartialLedger, restore_workers
+
+        run.partial = PartialLedger()
+        restore_workers(run, None)
     return 0

@@ -57,6 +57,10 @@ def collect(run: RLRun, step: int, weights: Optional[Weights] = None) -> StepRec
     """Everything before the update: prompts, rollouts, rewards, dynamic-sampling rounds, advantages, the
     kept rows and their metrics. `weights`: the version that generates this step (None: whatever the
     rollout workers hold, the synchronous loop)."""
+    if run.cfg.trainer.partial_rollouts:
+        from ebpo.rl.partial_collect import collect_partial
+
+        return collect_partial(run, step, weights)
     cfg, G = run.cfg, run.cfg.rollout.group_size
     times: dict[str, float] = {}
     P = cfg.rollout.prompts_per_step
@@ -79,7 +83,16 @@ def collect(run: RLRun, step: int, weights: Optional[Weights] = None) -> StepRec
         scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
         if not cfg.trainer.dynamic_sampling or int((~zero_std_groups(scores, group_ids)).sum()) >= P:
             break
+    return build_record(run, step, rows, prompt_ids, samples, results, times)
 
+
+def build_record(run: RLRun, step: int, rows: list[dict], prompt_ids: list[list[int]], samples: list[RolloutSample],
+                 results: list[dict], times: dict[str, float]) -> StepRecord:
+    """The StepRecord of rollouts already scored: `samples` (and `prompt_ids`, `results`) are group by group,
+    `rollout.group_size` per row of `rows`; advantages, metrics and the kept rows are computed here."""
+    cfg, G, P = run.cfg, run.cfg.rollout.group_size, run.cfg.rollout.prompts_per_step
+    group_ids = torch.arange(len(rows)).repeat_interleave(G)
+    scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
     advantages = compute_advantages(scores, group_ids, method=cfg.trainer.advantage,
                                     std_normalize=cfg.trainer.advantage_std)
     metrics = reward_metrics(scores, group_ids, {n: [r["rewards"].get(n) for r in results] for n in run.reward_names})
@@ -114,7 +127,9 @@ def learn(run: RLRun, record: StepRecord) -> dict[str, float]:
                                 lev_drafts=[s[i].lev_drafts for i in idx],
                                 turns=[None if s[i].trajectory is None else
                                        (s[i].trajectory["generated"], s[i].trajectory["segment"]) for i in idx],
-                                block_size=run.block_size)
+                                block_size=run.block_size,
+                                block_versions=([s[i].block_versions for i in idx]
+                                                if any(s[i].block_versions for i in idx) else None))
     t0 = time.perf_counter()
     metrics = run.cluster.learner.update(batch)
     metrics["perf/train_tokens_per_s"] = int(batch.input_ids.numel()) / max(time.perf_counter() - t0, 1e-9)

@@ -29,12 +29,12 @@ class SyncLoop:
 
     def __init__(self, cfg: RLConfig, run: RLRun | None = None):
         self.run = run or start_run(cfg)
-        if self.run.resumed:  # the rollout workers start from the initial policy
-            self.sync_weights()
+        if self.run.resumed:  # the rollout workers start from the initial policy: give them the restored one
+            self.sync_weights(new_version=False)
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, new_version: bool = True) -> dict[str, float]:
         """Bring every rollout worker to the learner's weights (`PolicyWeights.sync`); sync/* metrics."""
-        return self.run.weights.sync()
+        return self.run.weights.sync(new_version)
 
     def step(self, step: int) -> dict[str, float]:
         """One step: collect, update, sync; returns its metrics (evaluation and checkpoint are `fit`'s)."""
@@ -63,7 +63,7 @@ class SyncLoop:
                     metrics = self.step(step)
                 except LearnerRankDied as err:
                     step = rebuild_learner(run, err)
-                    self.sync_weights()
+                    self.sync_weights(new_version=False)
                     history = [h for h in history if h["step"] <= step]  # the lost steps are redone
                     progress.back_to(step)
                     continue

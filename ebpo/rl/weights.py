@@ -93,10 +93,11 @@ class PolicyWeights:
     def _bucket_bytes(self) -> int:
         return max(1, int(self.cfg.bucket_mb * 2**20))
 
-    def sync(self) -> dict[str, float]:
-        """Synchronous loop: bring every rollout worker to the learner's weights as version + 1; returns
+    def sync(self, new_version: bool = True) -> dict[str, float]:
+        """Synchronous loop: bring every rollout worker to the learner's weights as version + 1 (new_version
+        False: as the current version, after a resume: the learner restored that version's weights); returns
         sync/* metrics (broadcast mode only: bytes and buckets broadcast, both 0 when that sync fell back)."""
-        self.version += 1
+        self.version += int(new_version)
         if self.cfg.weight_sync == "object_store":
             self._by_object_store()
             return {}

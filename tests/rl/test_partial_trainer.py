@@ -1,0 +1,78 @@
+"""Partial rollouts through real Ray actors (tiny random model, `trainer.partial_rollouts=true`): unfinished
+groups carry over to later steps with a weight version per block, the lag bound holds, a frozen policy gives
+importance weights of exactly 1, and a run resumed from a checkpoint taken with sequences in flight repeats
+the uninterrupted run."""
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from test_async_trainer import LEARNER, assert_same_steps, data, make_cfg, read_metrics, train  # noqa: E402,F401
+from test_trainer import ray_local  # noqa: E402,F401
+
+PARTIAL = ("trainer.partial_rollouts=true", "rollout.prompts_per_step=3",
+           "rollout.decode={max_new_tokens: 32, temperature: 1.0, max_batch: 6}")
+
+
+@pytest.fixture(scope="module")
+def eos_model(tmp_path_factory):
+    """The tiny random model with its EOS logit raised, so that sampled lengths vary (1 to 32 tokens, long-tailed): groups
+    finish at different steps and some carry over."""
+    import torch
+
+    from ebpo.model.loading import load_model, load_model_tokenizer
+
+    out = tmp_path_factory.mktemp("eos_model")
+    model = load_model("preset:tiny@0")
+    with torch.no_grad():  # EOS's logit up by about 3 along the mean final hidden state
+        h = model.model(torch.randint(2, 100, (4, 32), generator=torch.Generator().manual_seed(0)))
+        mu = h.reshape(-1, h.shape[-1]).mean(0)
+        model.lm_head.weight[model.config.eos_token_id] += 3.0 * mu / mu.norm() ** 2
+    model.save_pretrained(str(out))
+    load_model_tokenizer("preset:tiny@0").save_pretrained(str(out))
+    return str(out)
+
+
+def cfg(data, run_dir, eos_model, *extra):
+    return make_cfg(data, run_dir, f"model={eos_model}", *PARTIAL, *extra)
+
+
+def test_partial_rollouts_carry_over_with_versions_per_block(ray_local, tmp_path, data, eos_model):
+    run = train(cfg(data, tmp_path / "p", eos_model, "trainer.steps=4", LEARNER))
+    m = read_metrics(tmp_path / "p")
+    assert sum(m[s]["partial/carried_token_share"] for s in range(1, 5)) > 0  # tokens decoded in earlier steps
+    assert all(m[s]["train/samples"] == 9 for s in range(1, 5))  # the quota every step, whole groups
+    for step, learner_version, versions in run.run.version_log:
+        # the lag bound (max_staleness 0 + 1): oldest blocks at most one version behind, never ahead
+        assert all(learner_version - 1 <= v <= learner_version for v in versions), (step, versions)
+    assert any(v < lv for _, lv, vs in run.run.version_log for v in vs)  # some sample spans two versions
+    # groups whose oldest block fell two versions behind were dropped and counted, never trained on
+    assert m[4]["partial/dropped_total"] == sum(m[s]["partial/dropped"] for s in range(1, 5))
+    assert m[4]["partial/lost_total"] == 0
+
+
+def test_partial_rollouts_with_a_frozen_policy_weigh_exactly_one(ray_local, tmp_path, data, eos_model):
+    train(cfg(data, tmp_path / "f", eos_model, "trainer.steps=3", "learner={n_draws: 2, mu: 1, lr: 0.0}"))
+    m = read_metrics(tmp_path / "f")
+    for s in range(1, 4):
+        assert m[s]["actor/is_weight_min"] == 1.0 and m[s]["actor/is_weight_max"] == 1.0
+
+
+def test_partial_rollouts_resume_exactly_with_sequences_in_flight(ray_local, tmp_path, data, eos_model):
+    whole = tmp_path / "whole"
+    train(cfg(data, whole, eos_model, "trainer.steps=4", LEARNER))
+    part = tmp_path / "part"
+    train(cfg(data, part, eos_model, "trainer.steps=4", "trainer.stop_after=2", LEARNER))
+    assert read_metrics(part)[2]["partial/in_flight_groups"] > 0  # the checkpoint holds sequences in flight
+    train(cfg(data, part, eos_model, "trainer.steps=4", f"trainer.resume={part}", LEARNER))
+    assert_same_steps(read_metrics(whole), read_metrics(part), [3, 4])
+    for step in (3, 4):
+        assert read_metrics(part)[step]["partial/carried_token_share"] == read_metrics(whole)[step][
+            "partial/carried_token_share"]
+
+
+def test_partial_rollouts_in_the_asynchronous_loop(ray_local, tmp_path, data, eos_model):
+    run = train(cfg(data, tmp_path / "a", eos_model, "trainer.steps=4", "trainer.max_staleness=1", LEARNER))
+    m = read_metrics(tmp_path / "a")
+    assert all(m[s]["train/samples"] == 9 for s in range(1, 5))
+    for step, learner_version, versions in run.run.version_log:
+        assert all(learner_version - 2 <= v <= learner_version for v in versions), (step, versions)
