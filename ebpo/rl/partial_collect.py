@@ -128,7 +128,8 @@ def _gather(ledger: PartialLedger, outs: list[dict], G: int):
     ledger.dropped += dropped
     ledger.lost += lost
     metrics = {"partial/carried_token_share": carried / max(returned, 1), "partial/dropped": float(dropped),
-               "partial/lost": float(lost), "partial/dropped_total": float(ledger.dropped),
+               "partial/lost": float(lost), "partial/groups_started": float(ledger.started),
+               "partial/dropped_total": float(ledger.dropped),
                "partial/lost_total": float(ledger.lost), "partial/in_flight_groups": float(len(ledger.pending))}
     return rows, prompt_ids, samples, metrics
 

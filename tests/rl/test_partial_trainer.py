@@ -76,3 +76,31 @@ def test_partial_rollouts_in_the_asynchronous_loop(ray_local, tmp_path, data, eo
     assert all(m[s]["train/samples"] == 9 for s in range(1, 5))
     for step, learner_version, versions in run.run.version_log:
         assert all(learner_version - 2 <= v <= learner_version for v in versions), (step, versions)
+
+
+@pytest.mark.slow
+def test_a_dead_rollout_worker_loses_only_its_groups_in_flight_and_counts_them(ray_local, tmp_path, data, eos_model,
+                                                                              monkeypatch):
+    from ebpo.rl.actors import ResilientActor
+
+    original, calls = ResilientActor.submit, {"n": 0}
+
+    def submit(self, method, *args, **kwargs):
+        ticket = original(self, method, *args, **kwargs)
+        if self.name == "rollout-1" and method == "generate_partial":
+            calls["n"] += 1
+            if calls["n"] == 3:  # step 3: killed right after submit, with groups carried from steps 1-2
+                ray.kill(self.handle, no_restart=True)
+        return ticket
+
+    monkeypatch.setattr(ResilientActor, "submit", submit)
+    run = train(cfg(data, tmp_path / "k", eos_model, "trainer.steps=4", "rollout.num_workers=2",
+                    "reward.num_actors=2", LEARNER))
+    assert any("rollout-1 died during generate_partial" in e for e in run.events)
+    m = read_metrics(tmp_path / "k")
+    G = 3
+    assert m[4]["partial/lost_total"] > 0 and m[4]["partial/lost_total"] % G == 0
+    # every group started is trained on, dropped, lost or still in flight: counted once
+    trained = sum(m[s]["train/prompts_drawn"] for s in range(1, 5))
+    assert m[4]["partial/groups_started"] == (trained + m[4]["partial/dropped_total"] / G
+                                              + m[4]["partial/lost_total"] / G + m[4]["partial/in_flight_groups"])

@@ -98,3 +98,60 @@ def test_carried_sequences_record_each_blocks_version_and_stale_groups_are_dropp
     seqs, st = pr.collect(model, cfg, _new(3, 2), 1, version=3, min_version=2, max_batch=6)
     assert st.dropped == n_old and st.dropped_tokens == tokens and pr.dropped_tags == old_tags
     assert not ({s.tag for s in seqs} & old_tags) and not ({s.tag for s in pr.carried + pr.done} & old_tags)
+
+
+class SlowScript:
+    """Answers turn k with `obs<k>` after `delay` seconds; done after `n` turns (a picklable environment)."""
+
+    def __init__(self, n, delay):
+        self.n, self.k, self.delay = n, 0, delay
+
+    def reset(self, row, seed=None):
+        return None
+
+    def step(self, text):
+        import time
+
+        time.sleep(self.delay)
+        self.k += 1
+        return (f"obs{self.k}", 0.0, self.k >= self.n, {})
+
+
+def test_multi_turn_sequences_carry_over_waiting_on_their_tools_and_decode_what_they_would_uninterrupted():
+    """Groups of episodes of 1-3 turns with slow tools: a step ends while some sequences wait on env.step; they
+    carry over (their pending step with them, through a pickled state too) and end with the tokens of an
+    uninterrupted multi-turn rollout with the same seeds and weights."""
+    from ebpo.model.loading import load_model_tokenizer
+    from rollout.multiturn import MultiTurnConfig, generate_multiturn
+
+    tok = load_model_tokenizer("tiny-sft")
+    model = make_model(0)
+    cfg = DecodeConfig.preset("speed", temperature=0.9)
+    mt = MultiTurnConfig(max_turn_tokens=16, stop_at_tool_call=False, max_total_tokens=160)
+    turns = {(s, g, j): 1 + (s + g + j) % 3 for s in range(4) for g in range(3) for j in range(G)}
+
+    def new(step):
+        return [NewSequence([0] + [(5 * step + 3 * g + k) % 50 + 1 for k in range(6)],
+                            torch.Generator().manual_seed(1000 * step + 10 * g + j), f"{step}:{g}",
+                            SlowScript(turns[step, g, j], 0.05 * (1 + j)))
+                for g in range(3) for j in range(G)]
+
+    pr, got, waiting_carried = PartialRollouts(), {}, 0
+    for step in range(4):
+        seqs, st = pr.collect(model, cfg, new(step), 2, version=step, max_batch=4, tokenizer=tok, mt=mt)
+        waiting_carried += sum(s.status == "waiting" for s in pr.carried)
+        for s in seqs:
+            got.setdefault(s.tag, []).append(s)
+        if step == 1:
+            pr = PartialRollouts.from_state(pickle.loads(pickle.dumps(pr.state())))
+    assert waiting_carried > 0  # some sequences crossed a step while their tool ran
+    assert all(len(v) == G for v in got.values()) and len(got) == 8
+    for tag, members in got.items():
+        step, g = map(int, tag.split(":"))
+        news = [s for s in new(step) if s.tag == tag]
+        ref = generate_multiturn(model, [s.prompt for s in news], [s.env for s in news], cfg, mt, tokenizer=tok,
+                                 seeds=[1000 * step + 10 * g + j for j in range(G)])
+        assert sorted(s.canvas[:s.length] for s in members) == sorted(t.ids for t in ref), tag
+        for s in members:
+            v = [x for x in s.versions_by_block() if x >= 0]
+            assert v == sorted(v) and v[0] >= step
