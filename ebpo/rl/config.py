@@ -184,12 +184,18 @@ class EnvConfig:
                                "package.module:name or path/to/file.py:name, that gets an OpenAI client pointed at an "
                                "in-process gateway to the rollout worker and returns a reward or a record; env.kwargs "
                                "are its keyword arguments (docs/rl.md, Agent functions); null = env.name decides", None)
+    episode_norm: str = doc("agent RL: how much each learner row of an episode weighs: none (the episode's advantage "
+                            "on every row), segments (an episode whose history was rewritten trains each of its k "
+                            "segments with advantage / k), turns (advantage / the episode's model turns, so long "
+                            "episodes do not outweigh short ones) (ebpo/rl/episodes.py)", "none")
 
     @property
     def multi_turn(self) -> bool:
         return bool(self.name or self.agent)
 
     def validate(self):
+        if self.episode_norm not in ("none", "segments", "turns"):
+            raise ValueError(f"env.episode_norm: got {self.episode_norm!r}; allowed: ['none', 'segments', 'turns']")
         if self.name and self.agent:
             raise ValueError(f"env: set env.name (an environment) or env.agent (an agent function), not both; got "
                              f"name={self.name!r}, agent={self.agent!r}")
@@ -283,6 +289,10 @@ class RLConfig:
         if unknown:
             raise ConfigError(f"model_overrides: {unknown} cannot be changed at start-up; allowed: "
                               f"{', '.join(MODEL_OVERRIDES)} (fields that leave the weights' shapes as they are)")
+        if tc.partial_rollouts and self.env.agent:
+            raise ConfigError("trainer.partial_rollouts: not supported with env.agent (an agent function's episode "
+                              "runs in one call and cannot stop at a block boundary); use env.name or "
+                              "trainer.partial_rollouts=false")
         if tc.max_staleness > 0 and self.ray.weight_sync != "object_store":
             raise ConfigError(f"trainer.max_staleness = {tc.max_staleness} needs ray.weight_sync=object_store "
                               f"(got {self.ray.weight_sync!r}): the rollout workers load older weight versions "

@@ -104,3 +104,30 @@ def test_a_dead_rollout_worker_loses_only_its_groups_in_flight_and_counts_them(r
     trained = sum(m[s]["train/prompts_drawn"] for s in range(1, 5))
     assert m[4]["partial/groups_started"] == (trained + m[4]["partial/dropped_total"] / G
                                               + m[4]["partial/lost_total"] / G + m[4]["partial/in_flight_groups"])
+
+
+@pytest.mark.parametrize("extra,key", [
+    (["trainer.partial_max_lag=0"], "trainer.partial_max_lag"),
+    (["trainer.max_staleness=2", "trainer.partial_max_lag=1"], "trainer.partial_max_lag"),
+    (["trainer.partial_extra_groups=-1"], "trainer.partial_extra_groups"),
+    (["trainer.partial_rollouts=true", "trainer.dynamic_sampling=1", "trainer.filter_zero_std=true"],
+     "trainer.dynamic_sampling"),
+    (["trainer.partial_rollouts=true", "env.agent=examples/agents/calculator_agent.py:agent"], "env.agent"),
+])
+def test_partial_rollout_settings_are_checked_at_start_up(data, tmp_path, extra, key):
+    from ebpo.infra.config import load_config  # noqa: F811
+    from ebpo.rl.config import RLConfig  # noqa: F811
+
+    with pytest.raises(Exception, match=key.replace(".", r"\.")):
+        load_config(RLConfig, None, ["model=preset:tiny@0", f"data.train={data}", "data.eval=null", *extra])
+
+
+def test_the_learner_keeps_the_versions_a_carried_block_may_come_from(data):
+    from ebpo.infra.config import load_config  # noqa: F811
+    from ebpo.rl.config import RLConfig  # noqa: F811
+
+    base = ["model=preset:tiny@0", f"data.train={data}", "data.eval=null", "trainer.partial_rollouts=true"]
+    assert load_config(RLConfig, None, base).learner.max_staleness == 1
+    assert load_config(RLConfig, None, base + ["trainer.max_staleness=1"]).learner.max_staleness == 2
+    assert load_config(RLConfig, None, base + ["trainer.partial_max_lag=3"]).learner.max_staleness == 3
+    assert load_config(RLConfig, None, base[:-1]).learner.max_staleness == 0
