@@ -23,6 +23,7 @@ from rollout.trajectory import Trajectory, summarize, trajectory_text
 from ebpo.core.algos import compute_advantages
 from ebpo.infra.data import reference_ids
 from ebpo.rl.batch import filter_groups, first_groups, reward_metrics, rollout_metrics, zero_std_groups
+from ebpo.rl.episodes import episode_rows
 from ebpo.rl.prompts import derive_seed, reward_input
 from ebpo.rl.records import RolloutSample, StepRecord, build_learner_batch
 from ebpo.rl.setup import RLRun
@@ -121,19 +122,35 @@ def learn(run: RLRun, record: StepRecord) -> dict[str, float]:
     if not idx:
         return {}
     s = record.samples
-    batch = build_learner_batch([record.prompt_ids[i] for i in idx], [s[i].token_ids for i in idx],
-                                record.advantages[record.keep], record.group_ids[record.keep], pad_id=run.eos_id,
-                                tail_ids=[s[i].tail_ids for i in idx], weight_version=[s[i].weights_version for i in idx],
-                                lev_drafts=[s[i].lev_drafts for i in idx],
-                                turns=[None if s[i].trajectory is None else
-                                       (s[i].trajectory["generated"], s[i].trajectory["segment"]) for i in idx],
-                                block_size=run.block_size,
-                                block_versions=([s[i].block_versions for i in idx]
-                                                if any(s[i].block_versions for i in idx) else None))
+    if any(s[i].trajectory is not None and s[i].trajectory.get("segments") for i in idx) or \
+            run.cfg.env.episode_norm != "none":  # agent episodes: every segment a row, per-episode weights
+        batch = episode_batch(run, record, idx)
+    else:
+        batch = build_learner_batch([record.prompt_ids[i] for i in idx], [s[i].token_ids for i in idx],
+                                    record.advantages[record.keep], record.group_ids[record.keep], pad_id=run.eos_id,
+                                    tail_ids=[s[i].tail_ids for i in idx],
+                                    weight_version=[s[i].weights_version for i in idx],
+                                    lev_drafts=[s[i].lev_drafts for i in idx],
+                                    turns=[None if s[i].trajectory is None else
+                                           (s[i].trajectory["generated"], s[i].trajectory["segment"]) for i in idx],
+                                    block_size=run.block_size,
+                                    block_versions=([s[i].block_versions for i in idx]
+                                                    if any(s[i].block_versions for i in idx) else None))
     t0 = time.perf_counter()
     metrics = run.cluster.learner.update(batch)
     metrics["perf/train_tokens_per_s"] = int(batch.input_ids.numel()) / max(time.perf_counter() - t0, 1e-9)
     return metrics
+
+
+def episode_batch(run: RLRun, record: StepRecord, idx: list[int]):
+    """The learner batch of the kept rows with every segment of an agent episode as a row and the advantages
+    scaled by `env.episode_norm` (`ebpo.rl.episodes`)."""
+    rows = episode_rows([record.prompt_ids[i] for i in idx], [record.samples[i] for i in idx],
+                        record.advantages[record.keep], record.group_ids[record.keep], run.cfg.env.episode_norm)
+    return build_learner_batch(rows.prompt_ids, rows.token_ids, torch.tensor(rows.advantages, dtype=torch.float32),
+                               torch.tensor(rows.group_ids, dtype=torch.long), pad_id=run.eos_id,
+                               tail_ids=rows.tail_ids, weight_version=rows.weight_version, lev_drafts=rows.lev_drafts,
+                               turns=rows.turns, block_size=run.block_size)
 
 
 def finish(run: RLRun, record: StepRecord, metrics: dict[str, float], t_step: float) -> dict[str, float]:
