@@ -53,3 +53,23 @@ def test_a_bad_agent_reference_stops_the_run_at_start_up(tmp_path):
                                                     f"trainer.run_dir={tmp_path}"]))
     with pytest.raises(ValueError, match="not both"):
         load_config(RLConfig, None, COMMON + NATIVE + ["env.agent=examples/agents/calculator_agent.py:calculator_agent"])
+
+
+FORKING_AGENT = '''
+async def forking(client, row):
+    """Asks the row's question, then rewrites the history: two segments per episode."""
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Compute 6*7."}])
+    text = r.choices[0].message.content or ""
+    return {"reward": float("42" in text) + 0.01 * len(text)}
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", ["segments", "turns"])
+def test_forked_episodes_train_every_segment(ray_local, tmp_path, norm):  # noqa: F811
+    (tmp_path / "forking.py").write_text(FORKING_AGENT)
+    history = _fit([f"env.agent={tmp_path / 'forking.py'}:forking", f"env.episode_norm={norm}",
+                    "trainer.filter_zero_std=false", "trainer.eval_every=0", "data.eval=null"], tmp_path / "run")
+    assert [h["step"] for h in history] == [1, 2]
+    assert all("actor/pg_loss" in h for h in history), "the learner updated on batches holding both segments"
