@@ -32,6 +32,7 @@ class AsyncLoop:
         self.run = run or start_run(cfg)
         self.pipeline: RolloutPipeline | None = None
         self.sampler_after: dict | None = None  # the sampler after the last step the learner took
+        self._unpublished = None  # (step, weights) not handed to the producer yet
 
     def _start_pipeline(self) -> None:
         """Collect steps ahead of the learner; in-flight steps of a restored checkpoint are handed over first."""
@@ -61,8 +62,16 @@ class AsyncLoop:
             metrics.update(stale)
             with timed(record.times, "sync"):
                 run.weights.publish()
-        self.pipeline.publish(step, run.weights.published)  # rollouts of step + 1 + s use them
+        self._unpublished = (step, run.weights.published)  # rollouts of step + 1 + s use them (`_publish`)
         return finish(run, record, metrics, t_step)
+
+    def _publish(self) -> None:
+        """Hand the newest weights to the producer. On a checkpoint step this waits until the checkpoint is
+        written: the producer cannot start a step beyond the saved in-flight ones meanwhile, so the rollout
+        workers' carried sequences (partial rollouts) are saved as of the last saved record."""
+        if self._unpublished is not None:
+            self.pipeline.publish(*self._unpublished)
+            self._unpublished = None
 
     def fit(self) -> list[dict]:
         """Steps from the start (or the checkpoint) to trainer.steps (or trainer.stop_after); per-step metrics."""
@@ -78,7 +87,10 @@ class AsyncLoop:
                 step += 1
                 try:
                     metrics = self.step(step)
+                    if not saves_at(run, step, last):
+                        self._publish()
                 except LearnerRankDied as err:
+                    self._unpublished = None
                     self._stop_pipeline()
                     step = rebuild_learner(run, err)
                     self._start_pipeline()
@@ -95,6 +107,7 @@ class AsyncLoop:
                     in_flight = self.pipeline.in_flight(step)
                     sampler = (in_flight[-1].sampler_after if in_flight else self.sampler_after)
                     checkpoints.save(run, step, sampler, in_flight)
+                    self._publish()
         self._stop_pipeline()
         return history
 

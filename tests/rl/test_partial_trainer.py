@@ -70,6 +70,17 @@ def test_partial_rollouts_resume_exactly_with_sequences_in_flight(ray_local, tmp
             "partial/carried_token_share"]
 
 
+def test_partial_rollouts_in_the_asynchronous_loop_resume_exactly(ray_local, tmp_path, data, eos_model):
+    """The checkpoint holds the steps collected ahead and the sequences carried by the rollout workers as of the
+    last of them (the producer waits for the checkpoint before it starts another step)."""
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    extra = ("trainer.steps=4", "trainer.max_staleness=1", LEARNER)
+    train(cfg(data, whole, eos_model, *extra))
+    train(cfg(data, part, eos_model, *extra, "trainer.stop_after=2"))
+    train(cfg(data, part, eos_model, *extra, f"trainer.resume={part}"))
+    assert_same_steps(read_metrics(whole), read_metrics(part), [3, 4])
+
+
 def test_partial_rollouts_in_the_asynchronous_loop(ray_local, tmp_path, data, eos_model):
     run = train(cfg(data, tmp_path / "a", eos_model, "trainer.steps=4", "trainer.max_staleness=1", LEARNER))
     m = read_metrics(tmp_path / "a")
