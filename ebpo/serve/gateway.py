@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import queue
 import time
 
@@ -134,6 +135,9 @@ class AgentGateway:
         # every episode waiting on its agent holds a step thread: no cap below the number of episodes
         self.mt = replace(mt, max_workers=max(mt.max_workers, 4096))
         self.model, self.tokenizer, self.config, self.name = model, tokenizer, config, name
+        # requests are rendered on the event loop while the engine and step threads decode with `tokenizer`: a
+        # fast tokenizer's encode takes its Rust object mutably ("Already borrowed" under concurrent use)
+        self.render_tokenizer = copy.deepcopy(tokenizer)
         self.block_size = config.block_size or model.config.block_size
         self.eos_id = int(tokenizer.eos_token_id)
         max_len = round_up(self.mt.max_total_tokens + self.block_size, self.block_size)
@@ -205,7 +209,7 @@ class AgentGateway:
                     raise RequestError(f"the episode is over ({ep.segment.result().stop}); no more turns", "messages",
                                        "episode_over")
                 try:
-                    ids = extension_ids(self.tokenizer, req.messages[len(ep.history):], self.mt.observation_template)
+                    ids = extension_ids(self.render_tokenizer, req.messages[len(ep.history):], self.mt.observation_template)
                 except ValueError as e:
                     raise RequestError(str(e), "messages") from None
                 ep.inbox.put(("extend", ids, reply))
@@ -230,7 +234,7 @@ class AgentGateway:
 
     def _start_segment(self, ep: Episode, req: ChatRequest, reply) -> None:
         try:
-            ids = prompt_ids(self.tokenizer, req.messages, req.tools if req.tool_choice != "none" else None,
+            ids = prompt_ids(self.render_tokenizer, req.messages, req.tools if req.tool_choice != "none" else None,
                              self.block_size, self.eos_id, self.mt.observation_template)
         except ValueError as e:
             raise RequestError(str(e), "messages") from None
