@@ -83,7 +83,8 @@ class EngineDriver:
                max_new_tokens: int | None = None, env=None, on_start=None) -> concurrent.futures.Future:
         """Queue one sequence (token ids, its `DecodeConfig`, its own generator when sampling, a single-turn
         length, an environment for a multi-turn sequence); the Future gives the finished `Sequence` (or the
-        ValueError `Engine.submit` raised, e.g. a prompt too long for the canvas). on_start(sequence, engine)
+        ValueError the engine raised: a prompt too long for the canvas, settings the model cannot decode with,
+        such as DELETE / INSERT without their token ids). on_start(sequence, engine)
         is called in the driver thread once the engine holds the sequence (the agent gateway reads a waiting
         turn's token ids from the engine's slot through it)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -126,8 +127,8 @@ class EngineDriver:
                 return
             if not sub.future.set_running_or_notify_cancel():
                 continue
-            lane = self._lane(sub.config.replace(max_new_tokens=1))  # a length per sequence, not per lane
             try:
+                lane = self._lane(sub.config.replace(max_new_tokens=1))  # a length per sequence, not per lane
                 seq = lane.engine.submit(sub.prompt, sub.generator, env=sub.env,
                                          max_new_tokens=sub.max_new or sub.config.max_new_tokens)
             except ValueError as e:

@@ -88,8 +88,10 @@ class ChatService:
         futures = [self.driver.submit(ids, req.config, g, req.config.max_new_tokens) for g in gens]
         try:
             seqs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        except ValueError as e:  # the engine refused the sequence (it does not fit)
-            raise RequestError(str(e), "messages", "context_length_exceeded") from None
+        except ValueError as e:  # the engine refused the sequence: it does not fit, or the model cannot decode so
+            fits = "does not fit" in str(e)
+            param = "messages" if fits else next((k for k in ("tau_delete", "tau_insert") if k in str(e)), None)
+            raise RequestError(str(e), param, "context_length_exceeded" if fits else "unsupported_value") from None
         choices, completion_tokens, forwards = [], 0, 0
         for i, seq in enumerate(seqs):
             toks, text, eos = sequence_output(seq, self.eos_ids, self.tokenizer)

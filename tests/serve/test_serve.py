@@ -110,6 +110,9 @@ def test_unknown_model_route_bad_json_and_a_too_long_prompt(served, client):
         client.chat.completions.create(model="tiny-agent", messages=[{"role": "user", "content": "x" * 600}],
                                        max_tokens=8)
     assert err.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as err:  # tiny-agent has no DELETE / INSERT tokens
+        client.chat.completions.create(model="tiny-agent", messages=USER, max_tokens=8, extra_body={"tau_delete": 0.5})
+    assert err.value.body["param"] == "tau_delete" and "delete_token_id" in err.value.body["message"]
     # the server is still up and answering
     assert client.chat.completions.create(model="tiny-agent", messages=USER, max_tokens=8).choices
 
