@@ -11,7 +11,9 @@ environment adds to the context (a tool's answer); the rollout wraps it in the c
 turn (`ebpo.core.turns.OBSERVATION_TEMPLATE`) and tokenises only that. `reward` is the environment's own
 reward for the step (summed over the trajectory as the `env` reward term, `rewards.trajectory`); `done`
 ends the trajectory; `info` is free-form (tool calls, errors, latencies: `rewards.envs.tools` fills
-`info["tool_calls"]`). One environment object serves one trajectory at a time; the rollout builds one per
+`info["tool_calls"]`); an environment that owns its tokenisation (the agent gateway, `ebpo/serve/gateway.py`)
+puts the observation's token ids in `info["observation_ids"]`, and the rollout appends them as given. One
+environment object serves one trajectory at a time; the rollout builds one per
 trajectory from a factory (`rewards.envs.loader.load_environment`).
 
 Like rewards, environments import nothing of ebpo but this package, so a user's environment file needs
