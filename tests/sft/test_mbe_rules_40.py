@@ -65,3 +65,19 @@ def test_without_substitutions_only_the_keep_term_counts():
     assert r == 0.0 and m["loss/mbe_restore"] == 0.0 and m["acc/mbe_restore"] == 0.0
     assert abs(m["loss/mbe_keep"] - k) < 1e-4 and abs(float(loss) - 0.25 * k) < 1e-4
     loss.backward()  # the empty restore term keeps the graph alive
+
+
+def test_restore_accuracy_counts_the_head_s_hits():
+    """acc/mbe_restore is the fraction of substituted positions where the head's argmax is the clean token: a
+    head that always prefers the (single) clean token scores 1, one that prefers another token 0."""
+    model = _model()
+    allowed = substitution_ids(model.config.vocab_size, [0, 2])
+    clean = torch.full((2, 8), 9)
+    resp = torch.zeros(2, 8, dtype=torch.bool)
+    resp[:, 2:] = True
+    for tok, want in [(9, 1.0), (10, 0.0)]:
+        bias = torch.zeros(model.config.vocab_size)
+        bias[tok] = 50.0
+        _, m = mbe_window_loss(model, lambda h, b=bias: model.lm_head(h) + b, clean, resp, block_size=2, window=1,
+                               rate=0.5, keep_weight=0.5, allowed_ids=allowed, generator=torch.Generator().manual_seed(1))
+        assert m["acc/mbe_restore"] == want, tok

@@ -160,3 +160,34 @@ def test_validate_accepts_the_edges():
              {"t2t_weight": 0.0, "keep_weight": 0.0, "mtf_weight": 0.0, "mbe_weight": 0.0, "lev_weight": 0.0}]
     for overrides in edges + [{"lev_source": s} for s in ("corrupt", "model", "mixed")]:
         ObjectiveConfig(**overrides).validate()
+
+
+def test_one_masked_token_no_substitution_and_mtf_per_token_default():
+    """Edge counts: a batch with exactly one masked token and no substituted one (restore is 0, finite, and the
+    graph stays alive); mtf_loss without a denominator is the mean over its drafted tokens."""
+    from ebpo.core.noise import NoisyBatch
+    from ebpo.core.objectives import mtf_loss
+    model = _model()
+    clean = torch.randint(8, 100, (1, 8), generator=torch.Generator().manual_seed(2))
+    resp = torch.zeros(1, 8, dtype=torch.bool)
+    resp[0, 4:] = True
+    masked = torch.zeros(1, 8, dtype=torch.bool)
+    masked[0, 5] = True
+    nb = NoisyBatch(noisy=clean.masked_fill(masked, MASK), masked=masked, substituted=torch.zeros_like(masked),
+                    kept=resp & ~masked, t=torch.tensor([0.25]))
+    loss, m, _ = mixture_loss(model, model.lm_head, clean, resp, nb, ObjectiveConfig(mtf_weight=0.0), K, MASK)
+    logits = model.lm_head(noisy_half_hidden(model, nb.noisy, clean, K)).float()[0]
+    ce = F.cross_entropy(logits, clean[0], reduction="none")
+    assert abs(m["loss/m2t"] - float(ce[5])) < 1e-5 and m["loss/t2t_restore"] == 0.0
+    assert abs(m["loss/t2t_keep"] - float(ce[[4, 6, 7]].mean())) < 1e-5 and torch.isfinite(loss)
+    loss.backward()
+    drafted = resp.clone()
+    got = mtf_loss(model, model.lm_head, clean, clean, drafted, K)
+    assert abs(float(got) - float(ce_clean(model, clean)[drafted].mean())) < 1e-5
+    assert abs(float(mtf_loss(model, model.lm_head, clean, clean, drafted, K, denominator=2))
+               - float(ce_clean(model, clean)[drafted].sum()) / 2) < 1e-5
+
+
+def ce_clean(model, clean):
+    logits = model.lm_head(noisy_half_hidden(model, clean, clean, K)).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), clean.flatten(), reduction="none").view(clean.shape)
