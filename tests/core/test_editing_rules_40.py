@@ -134,3 +134,17 @@ def test_draft_and_mixed_need_the_model_and_the_mask_id(small_model):
             with pytest.raises(ValueError, match=rf"^t2t_source='{source}' needs the model and the mask token id$"):
                 add_substitutions(nz, ids, resp, rate=0.5, weight=1.0, source=source, allowed_ids=_allowed(),
                                   generator=torch.Generator().manual_seed(0), model=model, mask_token_id=mask)
+
+
+def test_t2t_stats_is_the_mean_count_per_draw_and_sequence():
+    from ebpo.core.editing import t2t_stats
+    g = torch.Generator().manual_seed(0)
+    for N, B, L in [(2, 3, 7), (1, 1, 5), (3, 2, 2)]:
+        sub = torch.rand(N, B, L, generator=g) < 0.4
+        nz = NoiseDraws(masked=torch.zeros(N, B, L, dtype=torch.bool), t=torch.ones(N, B, 1),
+                        weight=torch.zeros(N, B, L), block_size=L, substituted=sub, sub_ids=torch.zeros(N, B, L))
+        want = sum(int(sub[n, b].sum()) for n in range(N) for b in range(B)) / (N * B)
+        assert t2t_stats(nz) == {"likelihood/substituted_per_seq": pytest.approx(want, abs=1e-6)}
+    nz = NoiseDraws(masked=torch.zeros(1, 1, 2, dtype=torch.bool), t=torch.ones(1, 1, 1), weight=torch.zeros(1, 1, 2),
+                    block_size=2)
+    assert t2t_stats(nz) == {"likelihood/substituted_per_seq": 0.0}
