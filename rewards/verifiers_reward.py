@@ -90,5 +90,6 @@ async def verifiers_agent(client, row: dict, *, model: str | None = None, sampli
     state = await env.rollout(dict(vf_meta["input"]), verifiers.OpenAIChatCompletionsClient(client), model,
                               dict(sampling_args or {}))
     await env.rubric.score_rollout(state)
+    completion = [m.model_dump() if hasattr(m, "model_dump") else dict(m) for m in state.get("completion") or []]
     return {"reward": float(state["reward"]), "metrics": dict(state.get("metrics") or {}),
-            "completion": state.get("completion")}
+            "completion": completion}  # plain data: the gateway hands the record to rewards as trajectory["agent"]

@@ -62,9 +62,46 @@ def test_a_verifiers_environment_runs_against_ebpo_serve(endpoint, monkeypatch):
     ref = generate(model, [encode_prompt(tok, r["prompt"]) for r in rows],
                    DecodeConfig.preset("quality", max_new_tokens=40), tokenizer=tok)
     for row, out, want in zip(rows, outs, ref):
-        text = out["completion"][-1]["content"]
+        text = out["completion"][-1]["content"]  # plain dicts
         assert text == want.text  # the environment saw what our decoder writes for that prompt
         boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
         assert out["reward"] == float(bool(boxed) and boxed[-1].strip() == row["answer"])
     rewards = [o["reward"] for o in outs]
     assert 0 < sum(rewards) < len(rewards)  # tiny-sft gets some of these right and some wrong: both verdicts seen
+
+
+def test_a_verifiers_environment_runs_through_the_agent_gateway(monkeypatch):
+    """`verifiers_agent` as an agent function: the environment's own loop through the in-process gateway (the
+    real openai client); the gateway's trajectory holds exactly the turn the environment saw, and the episode's
+    reward is the rubric's."""
+    import functools
+
+    from ebpo.infra.data import encode_prompt, load_rows
+    from ebpo.model.loading import load_model, load_model_tokenizer
+    from ebpo.serve.gateway import AgentGateway
+    from rewards.verifiers_reward import verifiers_agent
+    from rollout.config import DecodeConfig
+    from rollout.decoder import generate
+    from rollout.multiturn import MultiTurnConfig
+
+    monkeypatch.chdir(ROOT)
+    rows = load_rows("vf:examples/verifiers_envs/tiny_math.py?limit=8")
+    model, tok = load_model("tiny-sft").eval(), load_model_tokenizer("tiny-sft")
+    gateway = AgentGateway(model, tok, DecodeConfig.preset("quality"), MultiTurnConfig(max_turns=1, max_turn_tokens=40,
+                                                                                       max_total_tokens=256))
+    try:
+        samples = gateway.run(functools.partial(verifiers_agent, model="policy"), rows)
+    finally:
+        gateway.close()
+    ref = generate(model, [encode_prompt(tok, r["prompt"]) for r in rows],
+                   DecodeConfig.preset("quality", max_new_tokens=40), tokenizer=tok)
+    for row, sample, want in zip(rows, samples, ref):
+        traj = sample["trajectory"]
+        assert not traj["failed"], traj["error"]
+        text = traj["agent"]["completion"][-1]["content"]
+        assert text == sample["text"] == want.text  # the turn the environment scored is the one the gateway recorded
+        assert traj["ids"][:len(traj["prompt_ids"])] == encode_prompt(tok, row["prompt"])
+        boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+        assert traj["env_reward"] == traj["agent"]["reward"] == float(bool(boxed) and boxed[-1].strip() == row["answer"])
+    rewards = [s["trajectory"]["env_reward"] for s in samples]
+    assert 0 < sum(rewards) < len(rewards)  # both verdicts seen
