@@ -1,0 +1,76 @@
+"""Rules of ebpo/core/noise.py that the distribution tests leave open (issue 40): randomness only from the
+generator passed in, min_one by default (one forced mask, always inside the response, never in a row without
+response), no T2T at rate 0 (allowed_ids not needed), the bounds of t_min / t_max and of the allowed ids, with
+their messages, and the id ranges of substitution_ids."""
+import pytest
+import torch
+
+from ebpo.core.noise import m2t_mask, make_noisy, stratified_levels, substitution_ids, t2t_substitute
+
+
+def _resp(B=6, L=10):
+    resp = torch.zeros(B, L, dtype=torch.bool)
+    for i in range(B - 1):
+        resp[i, 2 + i % 3: L - i % 2] = True
+    return resp  # the last row has no response
+
+
+def test_every_draw_comes_from_the_generator_only():
+    resp, clean = _resp(), torch.randint(8, 60, (6, 10), generator=torch.Generator().manual_seed(0))
+    allowed = substitution_ids(64, [0, 2])
+    outs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+        nb = make_noisy(clean, resp, mask_id=2, t_min=0.0, t_max=0.3, t2t_rate=0.5, allowed_ids=allowed, generator=g())
+        outs.append([stratified_levels(8, 0.1, 0.9, g()), m2t_mask(resp, torch.zeros(6), g()),
+                     *t2t_substitute(clean, resp, 0.5, allowed, g()), nb.noisy, nb.masked, nb.substituted, nb.t])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_min_one_is_the_default_and_forces_one_response_position():
+    resp = _resp()
+    for seed in range(20):
+        m = m2t_mask(resp, torch.zeros(6), torch.Generator().manual_seed(seed))  # t = 0: nothing drawn
+        assert m[:5].sum(1).tolist() == [1] * 5 and not m[5].any() and not (m & ~resp).any(), seed
+        assert not m2t_mask(resp, torch.zeros(6), torch.Generator().manual_seed(seed), min_one=False).any()
+        nb = make_noisy(torch.full((6, 10), 9), resp, mask_id=2, t_min=0.0, t_max=0.0, t2t_rate=0.0, allowed_ids=None,
+                        generator=torch.Generator().manual_seed(seed))
+        assert nb.masked[:5].sum(1).tolist() == [1] * 5 and not nb.masked[5].any()
+        # rate 0: no substitution, no allowed ids needed, every other response position kept
+        assert nb.substituted.dtype == torch.bool and not nb.substituted.any()
+        assert torch.equal(nb.kept, resp & ~nb.masked) and torch.equal(nb.noisy, torch.full((6, 10), 9).masked_fill(
+            nb.masked, 2))
+    with pytest.raises(ValueError, match=r"^t2t_rate > 0 needs allowed_ids$"):
+        make_noisy(torch.full((6, 10), 9), resp, mask_id=2, t_min=0.1, t_max=0.2, t2t_rate=0.1, allowed_ids=None,
+                   generator=torch.Generator().manual_seed(0))
+
+
+def test_level_bounds():
+    g = torch.Generator().manual_seed(0)
+    for lo, hi in [(0.0, 0.0), (0.0, 1.0), (0.4, 0.4), (1.0, 1.0)]:
+        t = stratified_levels(16, lo, hi, g)
+        assert ((t >= lo) & (t <= hi)).all()
+    for lo, hi in [(-0.1, 0.5), (0.6, 0.5), (0.2, 1.5), (1.2, 1.5)]:
+        with pytest.raises(ValueError, match=rf"^noise levels need 0 <= t_min <= t_max <= 1, got t_min={lo}, "
+                                             rf"t_max={hi}$"):
+            stratified_levels(4, lo, hi, g)
+
+
+def test_allowed_ids_bounds_and_tokens_outside_them():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.tensor([[3, 4, 99, 0, 5, 50]])
+    for allowed in (torch.tensor([3, 4]), torch.tensor([1, 3, 4, 7])):  # two ids are enough
+        new, sub = t2t_substitute(tokens, torch.ones_like(tokens, dtype=torch.bool), 1.0, allowed, g)
+        assert sub.all() and set(new.flatten().tolist()) <= set(allowed.tolist()) and not (new == tokens).any()
+    for allowed in (torch.tensor([3]), torch.tensor([], dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"^t2t substitution needs at least two allowed token ids$"):
+            t2t_substitute(tokens, torch.ones_like(tokens, dtype=torch.bool), 0.5, allowed, g)
+
+
+def test_substitution_ids_excludes_only_ids_inside_the_vocabulary():
+    assert substitution_ids(6, [0, 5]).tolist() == [1, 2, 3, 4]
+    assert substitution_ids(6, [-1, 6, 7, 2]).tolist() == [0, 1, 3, 4, 5]
+    ids = substitution_ids(6, [])
+    assert ids.tolist() == list(range(6)) and ids.dtype == torch.long
