@@ -66,3 +66,72 @@ def test_k3_defaults_and_its_tangent_below_minus_c():
         want = [k3(-c) + (1 - math.exp(c)) * (v + c) if v < -c else k3(v) for v in x.tolist()]
         for gv, wv in zip(got, want):
             assert abs(gv - wv) <= 1e-12 * max(1.0, abs(wv)), (c, got, want)
+
+
+def _plain_ebpo(cur, old, adv, eps_low, eps_high, lengths, ref, kl_beta, dual_clip, seq_weights):
+    """ebpo_loss's docstring read per sequence, in Python floats."""
+    B, N = len(cur), len(cur[0])
+    lr = [sum(cur[i][n] - old[i][n] for n in range(N)) / N / (max(lengths[i], 1) if lengths else 1) for i in range(B)]
+    objs, lo_f, hi_f, du_f = [], [], [], []
+    for i in range(B):
+        x, a = lr[i], adv[i]
+        hi, lo = math.log1p(eps_high), math.log1p(-eps_low)
+        c_hi, c_lo = a >= 0 and x > hi, a < 0 and x < lo
+        y = hi if c_hi else lo if c_lo else x
+        c_du = dual_clip is not None and a < 0 and x > math.log(dual_clip)
+        y = math.log(dual_clip) if c_du else y
+        objs.append(math.exp(y) * a * (seq_weights[i] if seq_weights else 1.0))
+        lo_f.append(c_lo)
+        hi_f.append(c_hi)
+        du_f.append(c_du)
+    pg = -sum(objs) / B
+    kl = 0.0
+    if ref is not None:
+        d = [sum(cur[i][n] - ref[i][n] for n in range(N)) / N / (max(lengths[i], 1) if lengths else 1)
+             for i in range(B)]
+        kl = sum(math.expm1(-v) + v for v in d) / B  # k3, no value below -20 here
+    loss = pg + (kl_beta * kl if ref is not None and kl_beta > 0 else 0.0)
+    return loss, {"pg_loss": pg, "clipfrac_low": sum(lo_f) / B, "clipfrac_high": sum(hi_f) / B,
+                  "clipfrac_dual": sum(du_f) / B, "log_ratio_mean": sum(lr) / B,
+                  "log_ratio_max": max(abs(v) for v in lr), "kl": kl}
+
+
+def test_ebpo_loss_and_metrics_match_a_plain_per_sequence_reading():
+    from ebpo.core.algos import ebpo_loss
+    g = torch.Generator().manual_seed(0)
+    B, N = 10, 3
+    old = torch.randn(B, N, generator=g, dtype=torch.float64) * 3
+    cur = old + torch.randn(B, N, generator=g, dtype=torch.float64) * 1.5
+    ref = old + torch.randn(B, N, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 0.0, 2.0, -0.5, 0.0, -2.0, 1.5, -1.0, 0.3], dtype=torch.float64)
+    lengths = torch.tensor([1, 0, 3, 1, 2, 5, 1, 4, 1, 2])
+    weights = torch.rand(B, generator=g, dtype=torch.float64) * 2
+    cases = [dict(), dict(lengths=lengths), dict(ref=ref), dict(ref=ref, kl_beta=0.3),
+             dict(ref=ref, kl_beta=0.3, lengths=lengths), dict(dual_clip=1.5), dict(seq_weights=weights),
+             dict(lengths=lengths, ref=ref, kl_beta=0.7, dual_clip=2.0, seq_weights=weights)]
+    for kw in cases:
+        loss, m = ebpo_loss(cur, old, adv, 0.2, 0.28, **kw)
+        want_loss, want = _plain_ebpo(
+            cur.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28,
+            lengths.tolist() if "lengths" in kw else None, ref.tolist() if "ref" in kw else None,
+            kw.get("kl_beta", 0.0), kw.get("dual_clip"), weights.tolist() if "seq_weights" in kw else None)
+        assert set(m) == set(want), kw
+        for k, v in want.items():  # fp64 values; the clip fractions are fp32 means (one rounding)
+            tol = 1e-7 if k.startswith("clipfrac") else 1e-9 * max(1.0, abs(v))
+            assert abs(m[k] - v) <= tol, (kw, k, m[k], v)
+        assert abs(float(loss) - want_loss) <= 1e-9 * max(1.0, abs(want_loss)), kw
+    assert m["clipfrac_dual"] > 0 and m["clipfrac_high"] > 0 and m["clipfrac_low"] > 0  # every clip exercised
+
+
+def test_clip_bounds_and_messages():
+    from ebpo.core.algos import clipped_surrogate
+    x, a = torch.zeros(2), torch.tensor([1.0, -1.0])
+    for lo, hi, dual in [(0.0, 0.0, None), (0.999, 5.0, 1.0001), (0.2, 0.2, 1.5)]:
+        clipped_surrogate(x, a, lo, hi, dual)
+    for lo, hi, dual, msg in [(1.0, 0.2, None, r"eps_low: must be in \[0, 1\), got 1.0"),
+                              (1.5, 0.2, None, r"eps_low: must be in \[0, 1\), got 1.5"),
+                              (-0.1, 0.2, None, r"eps_low: must be in \[0, 1\), got -0.1"),
+                              (0.2, -1e-9, None, r"eps_high: must be >= 0, got -1e-09"),
+                              (0.2, 0.2, 1.0, r"dual_clip: must be > 1 \(or None\), got 1.0")]:
+        with pytest.raises(ValueError, match="^" + msg + "$"):
+            clipped_surrogate(x, a, lo, hi, dual)
