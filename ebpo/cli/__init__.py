@@ -39,6 +39,7 @@ BENCHMARKS = {
     "agent": ("ebpo.bench.agent:main", "multi-turn decoding: ready sequences continuing past one waiting on its tool"),
     "check": ("ebpo.bench.check:main", "headline ratios of the benchmarks against committed baselines"),
     "serve": ("ebpo.bench.serve:main", "ebpo serve: requests/s of 16 concurrent clients vs one at a time"),
+    "partial": ("ebpo.bench.partial:main", "RL step on long-tailed answers: sync, max_staleness=1, + partial rollouts"),
 }
 
 

@@ -1,0 +1,279 @@
+"""`ebpo bench partial`: wall time per RL step on a long-tailed workload, in one run, for three loops:
+synchronous (`trainer.max_staleness=0`), asynchronous (`max_staleness=1`), and asynchronous with partial
+rollouts (`max_staleness=1`, `trainer.partial_rollouts=true`).
+
+    ebpo bench partial                                   # 3 configurations x 6 measured steps x 2 rounds
+    ebpo bench partial --steps 8 --rounds 1              # one round: A B C
+    ebpo bench partial --json docs/bench/partial_cpu.json   # also a PNG of the step times next to it
+
+Workload (single turn): the tiny random model with its EOS logit raised (`eos_model`, written to a temporary
+folder), sampled at temperature 1, so that response lengths are long-tailed up to `--max-new-tokens`. Without
+partial rollouts a step's rollout waits for the longest of its prompts_per_step x group_size sequences. With
+them, a step trains on the first prompts_per_step groups to finish, while `trainer.partial_extra_groups` more
+keep decoding and carry over, at a block boundary, under the newer weights.
+
+Per configuration: seconds per step between the loop's per-step logs (median and mean; step 1, which pays
+start-up, is left out), trained response tokens per second of wall time, the share of trained tokens decoded
+in an earlier step (`partial/carried_token_share`, weighted by the step's tokens), the staleness distribution
+(share of trained samples whose oldest block is k weight versions behind the learner, from `version_log`) and
+the groups dropped for lag (`partial/dropped`, sequences).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = {  # name -> overrides
+    "sync": ["trainer.max_staleness=0"],
+    "max_staleness=1": ["trainer.max_staleness=1"],
+    "max_staleness=1 + partial": ["trainer.max_staleness=1", "trainer.partial_rollouts=true"],
+}
+
+
+def eos_model(out: str, boost: float) -> str:
+    """The tiny random model (`preset:tiny@0`) with its EOS logit raised by about `boost` along the mean final
+    hidden state, saved with its tokenizer to `out`; returns `out`. Larger boosts give shorter answers."""
+    import torch
+
+    from ebpo.model.loading import load_model, load_model_tokenizer
+
+    model = load_model("preset:tiny@0")
+    with torch.no_grad():
+        h = model.model(torch.randint(2, 100, (4, 32), generator=torch.Generator().manual_seed(0)))
+        mu = h.reshape(-1, h.shape[-1]).mean(0)
+        model.lm_head.weight[model.config.eos_token_id] += boost * mu / mu.norm() ** 2
+    model.save_pretrained(out)
+    load_model_tokenizer("preset:tiny@0").save_pretrained(out)
+    return out
+
+
+def write_data(folder: Path, rows: int = 64) -> tuple[Path, Path]:
+    """Prompts (jsonl) and a reward the random model earns unevenly (so that advantages are non-zero)."""
+    data = folder / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"What is {a}+{b}?", "answer": str(a + b)})
+                              for a in range(rows // 8) for b in range(8)))
+    reward = folder / "uneven.py"
+    reward.write_text("def score(*, completion, **_):\n    return (len(completion) % 3) / 2\n")
+    return data, reward
+
+
+def staleness_counts(version_log: list, first_step: int) -> dict[int, int]:
+    """Trained samples per lag (learner version - the sample's oldest block's version) over the updates of
+    steps >= first_step; `version_log`: (step, learner version, [sample versions]) per update. Lags ascending."""
+    counts: dict[int, int] = {}
+    for step, learner_version, versions in version_log:
+        if step < first_step:
+            continue
+        for v in versions:
+            counts[learner_version - v] = counts.get(learner_version - v, 0) + 1
+    return {lag: counts[lag] for lag in sorted(counts)}
+
+
+def shares(counts: dict[int, int]) -> dict[int, float]:
+    """{lag: count} -> {lag: share of all samples} ({} without samples)."""
+    n = sum(counts.values())
+    return {lag: c / n for lag, c in counts.items()}
+
+
+def step_periods(stamps: dict[int, float]) -> list[float]:
+    """Seconds per step from the wall-clock stamps taken as each step was logged ({step: perf_counter s}):
+    stamps[k] - stamps[k-1] for every k after the first step stamped (which pays start-up)."""
+    steps = sorted(stamps)
+    return [stamps[b] - stamps[a] for a, b in zip(steps, steps[1:])]
+
+
+def summarize(name: str, periods: list[float], history: list[dict], version_log: list, first_step: int) -> dict:
+    """One configuration's row from its measured steps (`first_step` on): periods (s), per-step metrics and
+    version log (see the module docstring for each number)."""
+    later = [h for h in history if h["step"] >= first_step]
+    tokens = [h.get("response_length/mean", 0.0) * h.get("train/samples", 0.0) for h in later]
+    carried = sum(h.get("partial/carried_token_share", 0.0) * t for h, t in zip(later, tokens))
+    wall = sum(periods)
+    return {"config": name, "steps": len(periods), "period_median_s": statistics.median(periods),
+            "period_mean_s": wall / len(periods), "periods_s": periods,
+            "trained_tokens_per_s": sum(tokens) / wall, "trained_tokens_per_step": sum(tokens) / len(later),
+            "carried_token_share": carried / max(sum(tokens), 1e-9),
+            "staleness": shares(staleness_counts(version_log, first_step)),
+            "staleness_counts": staleness_counts(version_log, first_step),
+            "dropped": sum(h.get("partial/dropped", 0.0) for h in later),
+            "rollout_s": statistics.mean(h.get("timing_s/rollout", 0.0) for h in later),
+            "update_s": statistics.mean(h.get("timing_s/update", 0.0) for h in later),
+            "response_length_max": max(h.get("response_length/max", 0.0) for h in later)}
+
+
+def run_config(name: str, base: list[str], steps: int, run_root: str) -> dict:
+    """`steps` RL steps of the workload (`base` overrides) under configuration `name`; its summary row."""
+    from ebpo.infra.config import load_config
+    from ebpo.rl.config import RLConfig
+    from ebpo.rl.trainer import make_loop
+
+    run_dir = tempfile.mkdtemp(prefix="run-", dir=run_root)
+    cfg = load_config(RLConfig, None, [*base, *CONFIGS[name], f"trainer.steps={steps}", f"trainer.run_dir={run_dir}"])
+    loop = make_loop(cfg)
+    stamps: dict[int, float] = {}
+    log = loop.run.tracker.log
+
+    def stamped(metrics: dict, step: int) -> None:  # the wall clock as every step ends
+        stamps[int(step)] = time.perf_counter()
+        log(metrics, step)
+
+    loop.run.tracker.log = stamped
+    try:
+        history = loop.fit()
+    finally:
+        loop.close()
+    return summarize(name, step_periods(stamps), history, list(loop.run.version_log), first_step=2)
+
+
+def merge(rows: list[dict]) -> dict:
+    """Rounds of one configuration pooled: periods, tokens and samples together (as one longer run would give
+    them); rollout and update seconds step-weighted."""
+    if len(rows) == 1:
+        return rows[0]
+    periods = [p for r in rows for p in r["periods_s"]]
+    n = sum(r["steps"] for r in rows)
+    out = dict(rows[0], steps=n, periods_s=periods, period_median_s=statistics.median(periods),
+               period_mean_s=sum(periods) / len(periods), dropped=sum(r["dropped"] for r in rows),
+               response_length_max=max(r["response_length_max"] for r in rows))
+    tokens = sum(r["trained_tokens_per_step"] * r["steps"] for r in rows)
+    out["trained_tokens_per_s"] = tokens / sum(periods)
+    out["trained_tokens_per_step"] = tokens / n
+    out["carried_token_share"] = sum(r["carried_token_share"] * r["trained_tokens_per_step"] * r["steps"]
+                                     for r in rows) / max(tokens, 1e-9)
+    for key in ("rollout_s", "update_s"):
+        out[key] = sum(r[key] * r["steps"] for r in rows) / n
+    lags = sorted({lag for r in rows for lag in r["staleness_counts"]})
+    out["staleness_counts"] = {lag: sum(r["staleness_counts"].get(lag, 0) for r in rows) for lag in lags}
+    out["staleness"] = shares(out["staleness_counts"])
+    return out
+
+
+def speedups(runs: list[dict]) -> dict[str, float]:
+    """Ratios of seconds per step (median, and mean) between the configurations present: partial vs
+    max_staleness=1 alone, and max_staleness=1 vs sync."""
+    by = {r["config"]: r for r in runs}
+    out = {}
+    for slow, fast, key in (("max_staleness=1", "max_staleness=1 + partial", "partial_vs_s1"),
+                            ("sync", "max_staleness=1", "s1_vs_sync")):
+        if slow in by and fast in by:
+            out[f"speedup_{key}"] = by[slow]["period_median_s"] / by[fast]["period_median_s"]
+            out[f"speedup_{key}_mean"] = by[slow]["period_mean_s"] / by[fast]["period_mean_s"]
+    return out
+
+
+def table(res: dict):
+    """The rich table of `res["runs"]` (one row per configuration)."""
+    from rich.table import Table
+
+    w = res["workload"]
+    t = Table(title=f"RL step on long-tailed answers ({w['prompts_per_step']} prompts x {w['group_size']}, up to "
+                    f"{w['max_new_tokens']} tokens, {res['steps']} measured steps x {res['rounds']} round(s))")
+    for col in ("configuration", "s/step median", "s/step mean", "trained tok/s", "carried tokens",
+                "staleness 0/1/2+", "dropped seqs", "rollout s", "update s"):
+        t.add_column(col)
+    for r in res["runs"]:
+        st = {int(k): v for k, v in r["staleness"].items()}
+        lag = f"{st.get(0, 0):.0%}/{st.get(1, 0):.0%}/{sum(v for k, v in st.items() if k >= 2):.0%}"
+        t.add_row(r["config"], f"{r['period_median_s']:.2f}", f"{r['period_mean_s']:.2f}",
+                  f"{r['trained_tokens_per_s']:.0f}", f"{r['carried_token_share']:.0%}", lag,
+                  f"{r['dropped']:.0f}", f"{r['rollout_s']:.2f}", f"{r['update_s']:.2f}")
+    return t
+
+
+def plot(res: dict, path: str) -> None:
+    """Per-step seconds of every configuration (a PNG at `path`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for r in res["runs"]:
+        ax.plot(range(1, len(r["periods_s"]) + 1), r["periods_s"], marker="o", label=r["config"])
+    ax.set_xlabel("measured step")
+    ax.set_ylabel("seconds per step")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def workload(a, model: str, data: Path, reward: Path) -> list[str]:
+    """The overrides every configuration shares (the long-tail workload and a cheap learner)."""
+    decode = (f"{{max_new_tokens: {a.max_new_tokens}, temperature: 1.0, max_batch: {a.max_batch}}}")
+    return [f"model={model}", f"data.train={data}", f"reward.fns=[{{fn: '{reward}:score'}}]", "data.eval=null",
+            f"rollout.prompts_per_step={a.prompts}", f"rollout.group_size={a.group}", f"rollout.decode={decode}",
+            f"trainer.partial_extra_groups={a.extra}", "trainer.tracking=none", "trainer.progress=false",
+            "trainer.plots=false", "trainer.save_every=0", "trainer.filter_zero_std=false",
+            "trainer.dynamic_sampling=0", f"rollout.num_threads={a.threads}", "reward.num_workers=1",
+            f"learner={{n_draws: {a.n_draws}, mu: 1, lr: {a.lr}}}", f"trainer.seed={a.seed}", *a.set]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ebpo bench partial", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=6, help="measured RL steps per configuration and round (after a "
+                                                        "warm-up step that is left out)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds over the configurations, interleaved (A B C A B C)")
+    p.add_argument("--prompts", type=int, default=4, help="rollout.prompts_per_step")
+    p.add_argument("--group", type=int, default=2, help="rollout.group_size")
+    p.add_argument("--extra", type=int, default=8, help="trainer.partial_extra_groups (groups in flight beyond "
+                                                        "the prompts_per_step a step trains on)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer (tokens)")
+    p.add_argument("--max-batch", type=int, default=0, help="rollout.decode.max_batch (0: every sequence at once)")
+    p.add_argument("--eos-boost", type=float, default=0.75, help="EOS logit raise of the tiny model (larger: shorter)")
+    p.add_argument("--threads", type=int, default=1, help="rollout.num_threads (torch threads of the rollout worker)")
+    p.add_argument("--lr", type=float, default=0.0,
+                   help="learner.lr (default 0: the learner does its whole update, but the policy, and so the length "
+                        "distribution, stays the same across steps and configurations)")
+    p.add_argument("--n-draws", type=int, default=1, help="learner.n_draws (noise draws per sample: the update's cost)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated configurations to run (default all: {', '.join(CONFIGS)})")
+    p.add_argument("--seed", type=int, default=0, help="trainer.seed")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra override of every configuration (repeatable)")
+    p.add_argument("--json", default=None, help="write the results here (and a PNG of the step times next to it)")
+    a = p.parse_args(argv)
+    from rich.console import Console
+
+    names = [n.strip() for n in a.configs.split(",")]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; allowed: {list(CONFIGS)}")
+    os.environ.setdefault("WANDB_MODE", "offline")
+    root = tempfile.mkdtemp(prefix="ebpo-bench-partial-")
+    model = eos_model(os.path.join(root, "eos_model"), a.eos_boost)
+    base = workload(a, model, *write_data(Path(root)))
+    load = [os.getloadavg()[0]]
+    t0 = time.perf_counter()
+    rows: dict[str, list[dict]] = {name: [] for name in names}
+    for _ in range(a.rounds):
+        for name in names:
+            rows[name].append(run_config(name, base, a.steps + 1, root))
+            load.append(os.getloadavg()[0])
+    runs = [merge(rows[name]) for name in names]
+    res = {"bench": "partial", "machine": platform.machine(), "cpus": os.cpu_count(), "steps": a.steps,
+           "rounds": a.rounds, "wall_s": time.perf_counter() - t0,
+           "load_average_1min": {"min": min(load), "max": max(load), "samples": load},
+           "workload": {"model": f"preset:tiny@0, EOS logit +{a.eos_boost:g}", "prompts_per_step": a.prompts,
+                        "group_size": a.group, "partial_extra_groups": a.extra, "max_new_tokens": a.max_new_tokens,
+                        "max_batch": a.max_batch, "temperature": 1.0, "lr": a.lr, "n_draws": a.n_draws,
+                        "rollout_threads": a.threads, "overrides": a.set},
+           "runs": runs, **speedups(runs)}
+    Console(width=140).print(table(res))
+    print("; ".join(f"{k}: {v:.2f}x" for k, v in speedups(runs).items()) +
+          f"; load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} CPUs; {res['wall_s']:.0f} s in all")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+        try:
+            plot(res, str(Path(a.json).with_suffix(".png")))
+        except ImportError:  # matplotlib is optional
+            pass
+    return 0
