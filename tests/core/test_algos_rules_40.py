@@ -68,7 +68,7 @@ def test_k3_defaults_and_its_tangent_below_minus_c():
             assert abs(gv - wv) <= 1e-12 * max(1.0, abs(wv)), (c, got, want)
 
 
-def _plain_ebpo(cur, old, adv, eps_low, eps_high, lengths, ref, kl_beta, dual_clip, seq_weights):
+def _plain_ebpo(cur, old, adv, eps_low, eps_high, lengths, ref, kl_beta, dual_clip, seq_weights, est="k3"):
     """ebpo_loss's docstring read per sequence, in Python floats."""
     B, N = len(cur), len(cur[0])
     lr = [sum(cur[i][n] - old[i][n] for n in range(N)) / N / (max(lengths[i], 1) if lengths else 1) for i in range(B)]
@@ -89,7 +89,7 @@ def _plain_ebpo(cur, old, adv, eps_low, eps_high, lengths, ref, kl_beta, dual_cl
     if ref is not None:
         d = [sum(cur[i][n] - ref[i][n] for n in range(N)) / N / (max(lengths[i], 1) if lengths else 1)
              for i in range(B)]
-        kl = sum(math.expm1(-v) + v for v in d) / B  # k3, no value below -20 here
+        kl = sum(math.expm1(-v) + v if est == "k3" else 0.5 * v * v for v in d) / B  # no d below -20 here
     loss = pg + (kl_beta * kl if ref is not None and kl_beta > 0 else 0.0)
     return loss, {"pg_loss": pg, "clipfrac_low": sum(lo_f) / B, "clipfrac_high": sum(hi_f) / B,
                   "clipfrac_dual": sum(du_f) / B, "log_ratio_mean": sum(lr) / B,
@@ -108,7 +108,9 @@ def test_ebpo_loss_and_metrics_match_a_plain_per_sequence_reading():
     weights = torch.rand(B, generator=g, dtype=torch.float64) * 2
     cases = [dict(), dict(lengths=lengths), dict(ref=ref), dict(ref=ref, kl_beta=0.3),
              dict(ref=ref, kl_beta=0.3, lengths=lengths), dict(dual_clip=1.5), dict(seq_weights=weights),
-             dict(lengths=lengths, ref=ref, kl_beta=0.7, dual_clip=2.0, seq_weights=weights)]
+             dict(lengths=lengths, ref=ref, kl_beta=0.7, dual_clip=2.0, seq_weights=weights),
+             dict(ref=ref, lengths=lengths), dict(ref=ref, kl_estimator="k2"), dict(ref=ref, kl_beta=0.4, kl_estimator="k2"),
+             dict(kl_beta=0.5)]  # without ref, kl_beta adds nothing
     seen = dict.fromkeys(["clipfrac_low", "clipfrac_high", "clipfrac_dual"], 0.0)
     for kw in cases:
         loss, m = ebpo_loss(cur, old, adv, 0.2, 0.28, **kw)
@@ -117,7 +119,8 @@ def test_ebpo_loss_and_metrics_match_a_plain_per_sequence_reading():
         want_loss, want = _plain_ebpo(
             cur.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28,
             lengths.tolist() if "lengths" in kw else None, ref.tolist() if "ref" in kw else None,
-            kw.get("kl_beta", 0.0), kw.get("dual_clip"), weights.tolist() if "seq_weights" in kw else None)
+            kw.get("kl_beta", 0.0), kw.get("dual_clip"), weights.tolist() if "seq_weights" in kw else None,
+            kw.get("kl_estimator", "k3"))
         assert set(m) == set(want), kw
         for k, v in want.items():  # fp64 values; the clip fractions are fp32 means (one rounding)
             tol = 1e-7 if k.startswith("clipfrac") else 1e-9 * max(1.0, abs(v))
