@@ -74,3 +74,18 @@ def test_substitution_ids_excludes_only_ids_inside_the_vocabulary():
     assert substitution_ids(6, [-1, 6, 7, 2]).tolist() == [0, 1, 3, 4, 5]
     ids = substitution_ids(6, [])
     assert ids.tolist() == list(range(6)) and ids.dtype == torch.long
+
+
+def test_make_noisy_passes_min_one_and_t2t_rate_bounds_and_absent_tokens_draw_every_id():
+    resp = _resp()
+    nb = make_noisy(torch.full((6, 10), 9), resp, mask_id=2, t_min=0.0, t_max=0.0, t2t_rate=0.0, allowed_ids=None,
+                    generator=torch.Generator().manual_seed(0), min_one=False)
+    assert not nb.masked.any()  # t = 0 and no forcing: nothing masked
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.full((1, 400), 50)  # not among the allowed ids: uniform over all of them
+    for rate in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=rf"^t2t rate must lie in \[0, 1\], got {rate}$"):
+            t2t_substitute(tokens, torch.ones_like(tokens, dtype=torch.bool), rate, torch.tensor([3, 4, 7]), g)
+    new, _ = t2t_substitute(tokens, torch.ones_like(tokens, dtype=torch.bool), 1.0, torch.tensor([3, 4, 7]), g)
+    # 400 uniform draws over 3 ids: an id is missed with probability (2/3)^400 < 1e-70
+    assert set(new.flatten().tolist()) == {3, 4, 7}
