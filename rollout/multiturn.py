@@ -88,10 +88,12 @@ def generate_multiturn(model, prompts: list[list[int]], envs: list, config: Deco
                     tokenizer=tokenizer, mt=mt, on_turn=on_turn)
     for i, (p, env) in enumerate(zip(prompts, envs)):
         engine.submit(p, None if gens is None else gens[i], env=env)
-    return [_trajectory(s, engine.t0, K) for s in engine.run()]
+    return [trajectory_of(s, engine.t0, K) for s in engine.run()]
 
 
-def _trajectory(s, t0: float, K: int) -> Trajectory:
+def trajectory_of(s, t0: float, K: int) -> Trajectory:
+    """The `Trajectory` of a finished multi-turn engine `Sequence` (t0: the engine's start, monotonic seconds;
+    K: the block size)."""
     L = s.length
     return Trajectory(prompt_ids=list(s.prompt), ids=s.canvas[:L], generated=s.generated[:L], segment=s.segment[:L],
                       turns=s.turns, stop=s.stop or "done", failed=s.failed, error=s.error,

@@ -142,7 +142,7 @@ class PartialRollouts:
             if s.tag in stale:
                 stats.dropped += 1
                 stats.dropped_tokens += decoded_tokens(s, K)[0]
-                _close_env(s)
+                close_env(s.env)
         self.carried = [s for s in self.carried if s.tag not in stale]
         self.done = [s for s in self.done if s.tag not in stale]
         for tag in stale:
@@ -175,8 +175,9 @@ def decoded_tokens(s: Sequence, K: int, old_blocks: set = frozenset()) -> tuple[
     return n, old
 
 
-def _close_env(s: Sequence) -> None:
-    close = getattr(s.env, "close", None)
+def close_env(env) -> None:
+    """`env.close()` when the environment has one; a failing close is ignored (it must not lose the step)."""
+    close = getattr(env, "close", None)
     if callable(close):
         try:
             close()

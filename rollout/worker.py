@@ -99,8 +99,8 @@ class RolloutWorker:
         from dataclasses import asdict
 
         from .decoder import _make_generators, _output
-        from .multiturn import MultiTurnConfig, _trajectory, start_episodes
-        from .partial import NewSequence, PartialRollouts
+        from .multiturn import MultiTurnConfig, start_episodes, trajectory_of
+        from .partial import NewSequence, PartialRollouts, close_env
 
         if self.partial is None:
             self.partial = PartialRollouts()
@@ -125,8 +125,8 @@ class RolloutWorker:
             if s.env is None:
                 d = _single_turn_sample(_output(s, _eos_ids(self.model), self.tokenizer, K), s.oldest_version())
             else:
-                d = _multi_turn_sample(_trajectory(s, 0.0, K), s.oldest_version())
-                _close(s.env)
+                d = _multi_turn_sample(trajectory_of(s, 0.0, K), s.oldest_version())
+                close_env(s.env)
             d.update(tag=s.tag, block_versions=s.versions_by_block())
             samples.append(d)
         return {"samples": samples, "stats": asdict(stats), "held": list(self.partial.group_sizes),
@@ -247,12 +247,3 @@ def _eos_ids(model) -> set[int]:
     from .engine import eos_ids_of
 
     return eos_ids_of(model.config)
-
-
-def _close(env) -> None:
-    close = getattr(env, "close", None)
-    if callable(close):
-        try:
-            close()
-        except Exception:  # noqa: BLE001 - a failing close must not lose the step
-            pass

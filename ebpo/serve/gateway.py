@@ -40,7 +40,7 @@ import copy
 import queue
 import time
 
-from rollout.multiturn import MultiTurnConfig
+from rollout.multiturn import MultiTurnConfig, trajectory_of
 from rollout.trajectory import Trajectory
 
 from .app import create_app
@@ -89,17 +89,6 @@ class Episode:
             return None, 0.0, True, {"ended_by": kind}
         self.reply = reply
         return self.engine.tokenizer.decode(obs_ids), 0.0, False, {"observation_ids": obs_ids}
-
-
-def trajectory_of(s, t0: float, block_size: int) -> Trajectory:
-    """The `Trajectory` of a finished multi-turn engine `Sequence` (as `rollout.multiturn` reports it)."""
-    L = s.length
-    return Trajectory(prompt_ids=list(s.prompt), ids=s.canvas[:L], generated=s.generated[:L], segment=s.segment[:L],
-                      turns=s.turns, stop=s.stop or "done", failed=s.failed, error=s.error,
-                      env_reward=sum(t.reward for t in s.turns), num_forwards=s.forwards,
-                      wall_s=(s.end_time or time.monotonic()) - t0, num_edits=s.edits, num_deletes=s.deletes,
-                      num_inserts=s.inserts,
-                      lev_drafts=[(b * block_size - s.prompt_len, d) for b, d in sorted(s.lev_drafts.items())])
 
 
 def asgi_http_client(app):
