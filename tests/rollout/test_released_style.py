@@ -18,7 +18,9 @@ def test_released_style_loop_gives_our_tokens(preset, extra, eos_boost):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 8, 13, 0, 21)]
     cfg = DecodeConfig.preset(preset, max_new_tokens=40, **extra)
-    ours = generate(model, prompts, cfg, seeds=list(range(len(prompts))))
+    # one sequence at a time, as the released loop decodes: batching changes GEMM shapes, and under some CPU
+    # code paths (ATEN_CPU_CAPABILITY=avx2) that float noise flips a near-tie argmax of this random model
+    ours = generate(model, prompts, cfg, seeds=list(range(len(prompts))), max_batch=1)
     theirs = [released_style_generate(model, p, cfg, torch.Generator().manual_seed(i) if cfg.temperature else None)
               for i, p in enumerate(prompts)]
     assert [o.token_ids for o in ours] == theirs
