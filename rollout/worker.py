@@ -99,6 +99,7 @@ class RolloutWorker:
         from dataclasses import asdict
 
         from .decoder import _make_generators, _output
+        from .engine import eos_ids_of
         from .multiturn import MultiTurnConfig, start_episodes, trajectory_of
         from .partial import NewSequence, PartialRollouts, close_env
 
@@ -123,7 +124,7 @@ class RolloutWorker:
         samples = []
         for s in seqs:
             if s.env is None:
-                d = _single_turn_sample(_output(s, _eos_ids(self.model), self.tokenizer, K), s.oldest_version())
+                d = _single_turn_sample(_output(s, eos_ids_of(self.model.config), self.tokenizer, K), s.oldest_version())
             else:
                 d = _multi_turn_sample(trajectory_of(s, 0.0, K), s.oldest_version())
                 close_env(s.env)
@@ -241,9 +242,3 @@ def _multi_turn_sample(t, version: int) -> dict:
             "weights_version": version, "trajectory": t.to_dict(),
             # L-EBPO's pre-edit blocks, offsets from the end of the trajectory's prompt_ids
             "lev_drafts": [[off, list(d)] for off, d in getattr(t, "lev_drafts", [])]}
-
-
-def _eos_ids(model) -> set[int]:
-    from .engine import eos_ids_of
-
-    return eos_ids_of(model.config)

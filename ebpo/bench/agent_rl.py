@@ -16,6 +16,24 @@ import tempfile
 import time
 
 
+def fit_with_step_stamps(loop) -> tuple[list[dict], dict[int, float], list]:
+    """Train `loop` (a `make_loop` result) to its end and close it; returns (per-step metrics, step ->
+    perf_counter seconds when that step's metrics were logged, the run's version_log)."""
+    stamps: dict[int, float] = {}
+    log = loop.run.tracker.log
+
+    def stamped(metrics: dict, step: int) -> None:  # the wall clock at the end of every step
+        stamps[int(step)] = time.perf_counter()
+        log(metrics, step)
+
+    loop.run.tracker.log = stamped
+    try:
+        history = loop.fit()
+    finally:
+        loop.close()
+    return history, stamps, list(loop.run.version_log)
+
+
 def rl_step_period(recipe: str, staleness: int, latency_s: float, steps: int, threads: int,
                    extra: list[str] | None = None) -> dict:
     """Run `steps` RL steps of `recipe` at `trainer.max_staleness = staleness` with tools taking `latency_s`;
@@ -33,19 +51,7 @@ def rl_step_period(recipe: str, staleness: int, latency_s: float, steps: int, th
                  *(extra or [])]
     cfg = load_config(RLConfig, recipe, overrides)
     os.environ.setdefault("WANDB_MODE", "offline")
-    loop = make_loop(cfg)
-    stamps: dict[int, float] = {}
-    log = loop.run.tracker.log
-
-    def stamped(metrics: dict, step: int) -> None:  # the wall clock at the end of every step
-        stamps[int(step)] = time.perf_counter()
-        log(metrics, step)
-
-    loop.run.tracker.log = stamped
-    try:
-        history = loop.fit()
-    finally:
-        loop.close()
+    history, stamps, _ = fit_with_step_stamps(make_loop(cfg))
     later = [h for h in history if h["step"] > 1]
 
     def mean(key: str) -> float:

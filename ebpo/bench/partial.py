@@ -109,26 +109,15 @@ def summarize(name: str, periods: list[float], history: list[dict], version_log:
 
 def run_config(name: str, base: list[str], steps: int, run_root: str) -> dict:
     """`steps` RL steps of the workload (`base` overrides) under configuration `name`; its summary row."""
+    from ebpo.bench.agent_rl import fit_with_step_stamps
     from ebpo.infra.config import load_config
     from ebpo.rl.config import RLConfig
     from ebpo.rl.trainer import make_loop
 
     run_dir = tempfile.mkdtemp(prefix="run-", dir=run_root)
     cfg = load_config(RLConfig, None, [*base, *CONFIGS[name], f"trainer.steps={steps}", f"trainer.run_dir={run_dir}"])
-    loop = make_loop(cfg)
-    stamps: dict[int, float] = {}
-    log = loop.run.tracker.log
-
-    def stamped(metrics: dict, step: int) -> None:  # the wall clock as every step ends
-        stamps[int(step)] = time.perf_counter()
-        log(metrics, step)
-
-    loop.run.tracker.log = stamped
-    try:
-        history = loop.fit()
-    finally:
-        loop.close()
-    return summarize(name, step_periods(stamps), history, list(loop.run.version_log), first_step=2)
+    history, stamps, version_log = fit_with_step_stamps(make_loop(cfg))
+    return summarize(name, step_periods(stamps), history, version_log, first_step=2)
 
 
 def merge(rows: list[dict]) -> dict:
