@@ -10,7 +10,9 @@ What a call returns is decided by the decoding alone (the engine's forwards are 
 the sequences, their generators and the weights), not by wall-clock time, so a run with partial rollouts is
 as reproducible as one without; with environments, which step a sequence finishes in also depends on how
 long its tools take. A sequence whose oldest block is older than `min_version` when a call starts is dropped
-with its whole group, and counted.
+with its whole group, and counted. With `due_version`, a call also waits for every group holding a sequence
+whose oldest block is older than `due_version` (the groups the next call would drop) and returns it beyond the
+quota, so that nothing is dropped: the lag is bounded by waiting for the few overdue groups instead.
 """
 from __future__ import annotations
 
@@ -61,18 +63,22 @@ class PartialRollouts:
     dropped_tags: set = field(default_factory=set)  # groups the last `collect` dropped for staleness
 
     def collect(self, model, cfg, new: list[NewSequence], quota: int, version: int, *, max_batch: int,
-                min_version: int | None = None, tokenizer=None, mt=None, runner=None) -> tuple[list, CollectStats]:
-        """Decode until `quota` groups are complete; returns (their sequences, group by group in the order the
-        groups completed, members in submission order; `CollectStats`).
+                min_version: int | None = None, due_version: int | None = None, tokenizer=None, mt=None,
+                runner=None) -> tuple[list, CollectStats]:
+        """Decode until `quota` groups are complete, and every overdue group too; returns (their sequences, the
+        first `quota` groups to complete in completion order, then the overdue ones beyond them; members in
+        submission order; `CollectStats`).
 
         cfg: the `DecodeConfig`; version: the weights' version (recorded per block); max_batch: slots (0: all
-        sequences at once); min_version: drop carried
-        sequences whose oldest block is older; mt / tokenizer / runner: multi-turn (`rollout.multiturn`).
+        sequences at once); min_version: drop carried sequences whose oldest block is older; due_version: a group
+        holding a sequence whose oldest block is older is overdue (None: none is); mt / tokenizer / runner:
+        multi-turn (`rollout.multiturn`).
         """
         stats = CollectStats()
         self.dropped_tags = set()
         K = cfg.block_size or model.config.block_size
         self._drop_stale(min_version, stats, K)
+        due = self._tags_older_than(due_version)
         for s in new:
             self.group_sizes[s.tag] = self.group_sizes.get(s.tag, 0) + 1
         slots = max_batch if max_batch > 0 else max(1, len(self.carried) + len(new))  # 0: everything at once
@@ -80,12 +86,13 @@ class PartialRollouts:
                         tokenizer=tokenizer, mt=mt, version=version, runner=runner)
         before = {id(s): set(s.block_versions) for s in self.carried + self.done}  # decoded in earlier calls
         stats.carried_in = len(self.carried)
-        for s in sorted(self.carried, key=lambda s: s.status == QUEUED):  # active ones take slots first
+        # overdue ones take slots first (the step waits for them), then the active ones
+        for s in sorted(self.carried, key=lambda s: (s.tag not in due, s.status == QUEUED)):
             engine.adopt(s)
         for s in new:
             seq = engine.submit(s.prompt, s.generator, env=s.env)
             seq.tag = s.tag
-        complete, note_finished = self._complete_groups(engine, quota)
+        complete, note_finished = self._complete_groups(engine, quota, due)
         engine.drain()
         note_finished()  # sequences that ended while draining wait in `done` for their group
         self.carried = engine.export()
@@ -104,10 +111,11 @@ class PartialRollouts:
             stats.carried_tokens += old
         return out, stats
 
-    def _complete_groups(self, engine: Engine, quota: int):
-        """Step `engine` until `quota` groups are complete (or nothing is left); returns the first `quota`
-        completed groups' tags in completion order, and the function that moves newly finished sequences to
-        `self.done` (call it again after draining)."""
+    def _complete_groups(self, engine: Engine, quota: int, due: set = frozenset()):
+        """Step `engine` until `quota` groups and every group in `due` are complete (or nothing is left);
+        returns the first `quota` completed groups' tags in completion order followed by the `due` ones beyond
+        them, and the function that moves newly finished sequences to `self.done` (call it again after
+        draining)."""
         counted: set[int] = set()
         complete: list = []
         counts: dict = {}
@@ -125,18 +133,24 @@ class PartialRollouts:
                     counts[s.tag] = counts.get(s.tag, 0) + 1
                     if counts[s.tag] == self.group_sizes[s.tag]:
                         complete.append(s.tag)
-            return len(complete) >= quota
+            return len(complete) >= quota and due <= set(complete)
 
         engine.run_until(enough)
         enough()
-        return complete[:quota], enough
+        return complete[:quota] + [t for t in complete[quota:] if t in due], enough
+
+    def _tags_older_than(self, version: int | None) -> set:
+        """Groups holding a carried or finished sequence whose oldest block is older than `version`."""
+        if version is None:
+            return set()
+        return {s.tag for s in self.carried + self.done
+                if s.oldest_version() is not None and s.oldest_version() < version}
 
     def _drop_stale(self, min_version: int | None, stats: CollectStats, K: int) -> None:
         """Drop (and count) every group holding a sequence whose oldest block is older than `min_version`."""
         if min_version is None:
             return
-        stale = {s.tag for s in self.carried + self.done
-                 if s.oldest_version() is not None and s.oldest_version() < min_version}
+        stale = self._tags_older_than(min_version)
         self.dropped_tags = stale
         for s in self.carried + self.done:
             if s.tag in stale:

@@ -88,13 +88,15 @@ class RolloutWorker:
         return [_multi_turn_sample(t, self.version) for t in trajs]
 
     def generate_partial(self, prompt_ids: list[list[int]], seeds: list[int], tags: list, quota: int,
-                         min_version: int | None = None, rows: list[dict] | None = None) -> dict:
+                         min_version: int | None = None, rows: list[dict] | None = None,
+                         due_version: int | None = None) -> dict:
         """Partial rollouts (`rollout.partial`): start these prompts (one group key per prompt; members of a
         group must all come to this worker), continue the sequences carried over from earlier calls under the
         weights held now, and decode until `quota` groups are complete; the others stop at a block boundary
         and wait for the next call. `min_version`: sequences whose oldest block is older are dropped (and
-        counted). Returns {"samples": [sample dicts with "tag" and "block_versions"], "stats": CollectStats
-        fields, "held": the group keys still in flight here, "dropped_tags": the groups dropped}; a sample's
+        counted); `due_version`: groups holding a sequence whose oldest block is older are waited for and
+        returned beyond the quota (`PartialRollouts.collect`). Returns {"samples": [sample dicts with "tag" and
+        "block_versions"], "stats": CollectStats fields, "held": the group keys still in flight here, "dropped_tags": the groups dropped}; a sample's
         `weights_version` is its oldest block's version."""
         from dataclasses import asdict
 
@@ -119,7 +121,8 @@ class RolloutWorker:
         K = cfg.block_size or self.model.config.block_size
         with torch.no_grad():
             seqs, stats = self.partial.collect(self.model, cfg, new, quota, self.version, max_batch=cfg.max_batch,
-                                               min_version=min_version, tokenizer=self.tokenizer, mt=mt,
+                                               min_version=min_version, due_version=due_version,
+                                               tokenizer=self.tokenizer, mt=mt,
                                                runner=self.env_runner)
         samples = []
         for s in seqs:

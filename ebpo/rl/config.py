@@ -137,6 +137,10 @@ class TrainerConfig:
                                          "more than this many versions behind the learner that trains it is dropped "
                                          "and counted (partial/dropped); the learner keeps this many weight versions. "
                                          "null = max_staleness + 1", None)
+    partial_overdue: str = doc("partial rollouts: what becomes of a group that would pass partial_max_lag at the "
+                               "next step: wait (this step also waits for it to finish and trains it, beyond "
+                               "prompts_per_step: nothing is thrown away) or drop (it carries over and the next step "
+                               "drops and counts it, partial/dropped)", "wait")
     partial_extra_groups: Optional[int] = doc("partial rollouts: prompt groups kept in flight beyond the "
                                               "prompts_per_step a step trains on, so that a step takes the first "
                                               "groups to finish while stragglers run on (the first step draws "
@@ -156,6 +160,8 @@ class TrainerConfig:
                                                       or self.partial_extra_groups < 0):
             raise ValueError(f"trainer.partial_extra_groups: must be an integer >= 0 or null, got "
                              f"{self.partial_extra_groups!r}")
+        if self.partial_overdue not in ("wait", "drop"):
+            raise ValueError(f"trainer.partial_overdue: got {self.partial_overdue!r}; allowed: ['wait', 'drop']")
         if self.partial_rollouts and self.dynamic_sampling:
             raise ValueError("trainer.partial_rollouts: cannot be combined with trainer.dynamic_sampling (a partial "
                              "step trains on the groups that finished; set trainer.dynamic_sampling=0)")

@@ -11,7 +11,9 @@ finished, and the unfinished ones carry over to the next step instead of being w
 Each sample carries the weight version of every block it decoded (`block_versions`); the learner takes each
 block's behaviour term from its own version (docs/ebpo.md, "Block-exact behaviour terms"). Lag bound: a
 group holding a sequence whose oldest block would be more than `trainer.partial_max_lag` versions behind the
-learner that trains this step is dropped by its worker and counted (`partial/dropped`). A rollout worker that
+learner that trains this step is dropped by its worker and counted (`partial/dropped`). With
+`trainer.partial_overdue=wait` (the default) no group gets there: a step also waits for every group the next
+step would drop, and trains it beyond the prompts_per_step. A rollout worker that
 dies loses its in-flight groups, counted as `partial/lost`; the run goes on.
 """
 from __future__ import annotations
@@ -78,6 +80,8 @@ def collect_partial(run, step: int, weights: Optional[Weights] = None) -> StepRe
         ledger.pending[tag] = {"row": row, "ids": run.prompts.encode(row), "worker": ledger.started % W}
         ledger.started += 1
     min_version = train_version(run, weights) - lag_bound(cfg)
+    # wait: a group the next step would drop (its oldest block would then be past the bound) is finished now
+    due_version = min_version + 1 if cfg.trainer.partial_overdue == "wait" else None
     quotas = [len(c) for c in split_evenly(list(range(P)), W)] + [0] * W
     with timed(times, "rollout"), run.weights.holding(weights):
         tickets = []
@@ -87,7 +91,8 @@ def collect_partial(run, step: int, weights: Optional[Weights] = None) -> StepRe
             seeds = [derive_seed(cfg.trainer.seed, step, i * G + j) for i in mine for j in range(G)]
             seq_tags = [tags[i] for i in mine for _ in range(G)]
             rows = [new_rows[i] for i in mine for _ in range(G)] if cfg.env.multi_turn else None
-            tickets.append(worker.submit("generate_partial", ids, seeds, seq_tags, quotas[w], min_version, rows))
+            tickets.append(worker.submit("generate_partial", ids, seeds, seq_tags, quotas[w], min_version, rows,
+                                         due_version))
         outs = [worker.result(t) for worker, t in zip(workers, tickets)]
     rows, prompt_ids, samples, metrics = _gather(ledger, outs, G)
     with timed(times, "reward"):

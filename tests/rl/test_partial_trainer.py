@@ -37,7 +37,7 @@ def cfg(data, run_dir, eos_model, *extra):
 
 
 def test_partial_rollouts_carry_over_with_versions_per_block(ray_local, tmp_path, data, eos_model):
-    run = train(cfg(data, tmp_path / "p", eos_model, "trainer.steps=4", LEARNER))
+    run = train(cfg(data, tmp_path / "p", eos_model, "trainer.steps=4", "trainer.partial_overdue=drop", LEARNER))
     m = read_metrics(tmp_path / "p")
     assert sum(m[s]["partial/carried_token_share"] for s in range(1, 5)) > 0  # tokens decoded in earlier steps
     assert all(m[s]["train/samples"] == 9 for s in range(1, 5))  # the quota every step, whole groups
@@ -48,6 +48,20 @@ def test_partial_rollouts_carry_over_with_versions_per_block(ray_local, tmp_path
     # groups whose oldest block fell two versions behind were dropped and counted, never trained on
     assert m[4]["partial/dropped_total"] == sum(m[s]["partial/dropped"] for s in range(1, 5))
     assert m[4]["partial/lost_total"] == 0
+
+
+def test_waiting_for_overdue_groups_trains_them_and_drops_nothing(ray_local, tmp_path, data, eos_model):
+    # the default, trainer.partial_overdue=wait: a group the next step would drop is finished and trained now
+    run = train(cfg(data, tmp_path / "w", eos_model, "trainer.steps=4", LEARNER))
+    m = read_metrics(tmp_path / "w")
+    assert m[4]["partial/dropped_total"] == 0
+    assert all(m[s]["train/samples"] >= 9 and m[s]["train/samples"] % 3 == 0 for s in range(1, 5))  # quota + overdue
+    assert any(m[s]["train/samples"] > 9 for s in range(1, 5))  # a group was overdue (the drop test drops one)
+    for step, learner_version, versions in run.run.version_log:
+        assert all(learner_version - 1 <= v <= learner_version for v in versions), (step, versions)
+    # every group started is trained on or still in flight, once
+    trained = sum(m[s]["train/samples"] for s in range(1, 5)) / 3
+    assert m[4]["partial/groups_started"] == trained + m[4]["partial/in_flight_groups"]
 
 
 def test_partial_rollouts_with_a_frozen_policy_weigh_exactly_one(ray_local, tmp_path, data, eos_model):
@@ -84,7 +98,8 @@ def test_partial_rollouts_in_the_asynchronous_loop_resume_exactly(ray_local, tmp
 def test_partial_rollouts_in_the_asynchronous_loop(ray_local, tmp_path, data, eos_model):
     run = train(cfg(data, tmp_path / "a", eos_model, "trainer.steps=4", "trainer.max_staleness=1", LEARNER))
     m = read_metrics(tmp_path / "a")
-    assert all(m[s]["train/samples"] == 9 for s in range(1, 5))
+    assert all(m[s]["train/samples"] >= 9 and m[s]["train/samples"] % 3 == 0 for s in range(1, 5))
+    assert m[4]["partial/dropped_total"] == 0  # overdue groups are waited for (trainer.partial_overdue=wait)
     for step, learner_version, versions in run.run.version_log:
         assert all(learner_version - 2 <= v <= learner_version for v in versions), (step, versions)
 
@@ -121,6 +136,7 @@ def test_a_dead_rollout_worker_loses_only_its_groups_in_flight_and_counts_them(r
     (["trainer.partial_max_lag=0"], "trainer.partial_max_lag"),
     (["trainer.max_staleness=2", "trainer.partial_max_lag=1"], "trainer.partial_max_lag"),
     (["trainer.partial_extra_groups=-1"], "trainer.partial_extra_groups"),
+    (["trainer.partial_overdue=keep"], "trainer.partial_overdue"),
     (["trainer.partial_rollouts=true", "trainer.dynamic_sampling=1", "trainer.filter_zero_std=true"],
      "trainer.dynamic_sampling"),
     (["trainer.partial_rollouts=true", "env.agent=examples/agents/calculator_agent.py:agent"], "env.agent"),

@@ -100,6 +100,49 @@ def test_carried_sequences_record_each_blocks_version_and_stale_groups_are_dropp
     assert not ({s.tag for s in seqs} & old_tags) and not ({s.tag for s in pr.carried + pr.done} & old_tags)
 
 
+def _lagged_run(model, cfg, due: bool, steps=6, lag=2):
+    """Steps at versions 0, 1, ... with the lag bound `lag` (min_version = version - lag), 1 group trained a
+    step and 2 started (so stragglers pile up); with `due`, each call also waits for the groups the next call
+    would drop. Returns per step (returned tags, stats, tags held after the call with their oldest versions)."""
+    pr, out = PartialRollouts(), []
+    for v in range(steps):
+        min_version = v - lag
+        seqs, st = pr.collect(model, cfg, _new(v, 2), 1, version=v, max_batch=6, min_version=min_version,
+                              due_version=min_version + 1 if due else None)
+        held = {}
+        for s in pr.carried + pr.done:
+            if s.oldest_version() is not None:
+                held[s.tag] = min(held.get(s.tag, v), s.oldest_version())
+        out.append(([s.tag for s in seqs], st, held, [s for s in seqs]))
+    return out
+
+
+def test_waiting_for_overdue_groups_drops_nothing_and_returns_them_beyond_the_quota():
+    model = make_model(0, eos_boost=6.0)
+    cfg = _cfg()
+    dropping = _lagged_run(model, cfg, due=False)
+    assert sum(st.dropped for _, st, _, _ in dropping) > 0  # the schedule does make stragglers pass the bound
+    waiting = _lagged_run(model, cfg, due=True)
+    started = {f"{v}:{g}" for v in range(6) for g in range(2)}
+    returned = [t for tags, _, _, _ in waiting for t in dict.fromkeys(tags)]
+    assert len(returned) == len(set(returned))  # each group once
+    for v, (tags, st, held, seqs) in enumerate(waiting):
+        assert st.dropped == 0
+        groups = list(dict.fromkeys(tags))
+        assert len(groups) >= 1  # the quota, and any overdue group beyond it
+        # the rule: after a call with due_version d = v - lag + 1, nothing left in flight is older than d, so
+        # the next call (min_version d) has nothing to drop
+        assert all(oldest >= v - 2 + 1 for oldest in held.values()), (v, held)
+        # every returned sequence is within the bound of the step that trains it, and whole groups come back
+        assert all(s.oldest_version() >= v - 2 for s in seqs)
+        assert all(tags.count(t) == G for t in groups)
+    in_flight = set(waiting[-1][2])
+    assert set(returned) | in_flight <= started and not set(returned) & in_flight
+    # more groups are trained than with dropping, and at least one step returned more than its quota
+    assert len(returned) > len({t for tags, _, _, _ in dropping for t in tags})
+    assert any(len(set(tags)) > 1 for tags, _, _, _ in waiting)
+
+
 class SlowScript:
     """Answers turn k with `obs<k>` after `delay` seconds; done after `n` turns (a picklable environment)."""
 
