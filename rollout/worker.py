@@ -96,8 +96,8 @@ class RolloutWorker:
         and wait for the next call. `min_version`: sequences whose oldest block is older are dropped (and
         counted); `due_version`: groups holding a sequence whose oldest block is older are waited for and
         returned beyond the quota (`PartialRollouts.collect`). Returns {"samples": [sample dicts with "tag" and
-        "block_versions"], "stats": CollectStats fields, "held": the group keys still in flight here, "dropped_tags": the groups dropped}; a sample's
-        `weights_version` is its oldest block's version."""
+        "block_versions"], "stats": CollectStats fields, "held": the group keys still in flight here,
+        "dropped_tags": the groups dropped}; a sample's `weights_version` is its oldest block's version."""
         from dataclasses import asdict
 
         from .decoder import _make_generators, _output
