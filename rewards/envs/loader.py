@@ -1,7 +1,7 @@
 """Load an environment factory by reference, like rewards: `package.module:name` or `path/file.py:name`.
 
 The named object is called with the recipe's `kwargs` to build one environment per trajectory, so it may
-be a class (`MyEnv`) or a factory function (`calculator_env`). Built-in names: `calculator`.
+be a class (`MyEnv`) or a factory function (`calculator_env`). Built-in names: `calculator`, `code_repair`.
 """
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Callable
 
 from rewards.loader import RewardLoadError, import_reference
 
-BUILTIN_ENVS = {"calculator": "rewards.envs.calculator:calculator_env"}
+BUILTIN_ENVS = {"calculator": "rewards.envs.calculator:calculator_env",
+                "code_repair": "rewards.envs.code_repair:code_repair_env"}
 
 
 class EnvLoadError(RewardLoadError):
