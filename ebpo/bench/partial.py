@@ -33,7 +33,10 @@ CONFIGS = {  # name -> overrides
     "sync": ["trainer.max_staleness=0"],
     "max_staleness=1": ["trainer.max_staleness=1"],
     "max_staleness=1 + partial": ["trainer.max_staleness=1", "trainer.partial_rollouts=true"],
+    "max_staleness=1 + partial (drop)": ["trainer.max_staleness=1", "trainer.partial_rollouts=true",
+                                         "trainer.partial_overdue=drop"],
 }
+DEFAULT_CONFIGS = ["sync", "max_staleness=1", "max_staleness=1 + partial"]
 
 
 def eos_model(out: str, boost: float) -> str:
@@ -102,6 +105,8 @@ def summarize(name: str, periods: list[float], history: list[dict], version_log:
             "staleness": shares(staleness_counts(version_log, first_step)),
             "staleness_counts": staleness_counts(version_log, first_step),
             "dropped": sum(h.get("partial/dropped", 0.0) for h in later),
+            "trained_samples_per_step": sum(h.get("train/samples", 0.0) for h in later) / len(later),
+            "tool_s_per_trajectory": statistics.mean(h.get("agent/tool_latency_s", 0.0) for h in later),
             "rollout_s": statistics.mean(h.get("timing_s/rollout", 0.0) for h in later),
             "update_s": statistics.mean(h.get("timing_s/update", 0.0) for h in later),
             "response_length_max": max(h.get("response_length/max", 0.0) for h in later)}
@@ -115,7 +120,9 @@ def run_config(name: str, base: list[str], steps: int, run_root: str) -> dict:
     from ebpo.rl.trainer import make_loop
 
     run_dir = tempfile.mkdtemp(prefix="run-", dir=run_root)
-    cfg = load_config(RLConfig, None, [*base, *CONFIGS[name], f"trainer.steps={steps}", f"trainer.run_dir={run_dir}"])
+    recipe = base[0].removeprefix("--recipe=")  # the workload's recipe ("-": none)
+    cfg = load_config(RLConfig, None if recipe == "-" else recipe,
+                      [*base[1:], *CONFIGS[name], f"trainer.steps={steps}", f"trainer.run_dir={run_dir}"])
     history, stamps, version_log = fit_with_step_stamps(make_loop(cfg))
     return summarize(name, step_periods(stamps), history, version_log, first_step=2)
 
@@ -135,7 +142,7 @@ def merge(rows: list[dict]) -> dict:
     out["trained_tokens_per_step"] = tokens / n
     out["carried_token_share"] = sum(r["carried_token_share"] * r["trained_tokens_per_step"] * r["steps"]
                                      for r in rows) / max(tokens, 1e-9)
-    for key in ("rollout_s", "update_s"):
+    for key in ("rollout_s", "update_s", "trained_samples_per_step", "tool_s_per_trajectory"):
         out[key] = sum(r[key] * r["steps"] for r in rows) / n
     lags = sorted({lag for r in rows for lag in r["staleness_counts"]})
     out["staleness_counts"] = {lag: sum(r["staleness_counts"].get(lag, 0) for r in rows) for lag in lags}
@@ -149,6 +156,7 @@ def speedups(runs: list[dict]) -> dict[str, float]:
     by = {r["config"]: r for r in runs}
     out = {}
     for slow, fast, key in (("max_staleness=1", "max_staleness=1 + partial", "partial_vs_s1"),
+                            ("max_staleness=1", "max_staleness=1 + partial (drop)", "partial_drop_vs_s1"),
                             ("sync", "max_staleness=1", "s1_vs_sync")):
         if slow in by and fast in by:
             out[f"speedup_{key}"] = by[slow]["period_median_s"] / by[fast]["period_median_s"]
@@ -161,17 +169,20 @@ def table(res: dict):
     from rich.table import Table
 
     w = res["workload"]
-    t = Table(title=f"RL step on long-tailed answers ({w['prompts_per_step']} prompts x {w['group_size']}, up to "
-                    f"{w['max_new_tokens']} tokens, {res['steps']} measured steps x {res['rounds']} round(s))")
-    for col in ("configuration", "s/step median", "s/step mean", "trained tok/s", "carried tokens",
-                "staleness 0/1/2+", "dropped seqs", "rollout s", "update s"):
+    what = (f"up to {w['max_new_tokens']} tokens" if w["name"] == "long-tail" else
+            f"tools {w['slow_s']:g} s in {w['slow_share']:.0%} of episodes, else {w['fast_s']:g} s")
+    t = Table(title=f"RL step, {w['name']} workload ({w['prompts_per_step']} prompts x {w['group_size']}, {what}, "
+                    f"{res['steps']} measured steps x {res['rounds']} round(s))")
+    for col in ("configuration", "s/step median", "s/step mean", "trained tok/s", "samples/step", "carried tokens",
+                "staleness 0/1/2+", "dropped seqs", "tool s/traj", "rollout s", "update s"):
         t.add_column(col)
     for r in res["runs"]:
         st = {int(k): v for k, v in r["staleness"].items()}
         lag = f"{st.get(0, 0):.0%}/{st.get(1, 0):.0%}/{sum(v for k, v in st.items() if k >= 2):.0%}"
         t.add_row(r["config"], f"{r['period_median_s']:.2f}", f"{r['period_mean_s']:.2f}",
-                  f"{r['trained_tokens_per_s']:.0f}", f"{r['carried_token_share']:.0%}", lag,
-                  f"{r['dropped']:.0f}", f"{r['rollout_s']:.2f}", f"{r['update_s']:.2f}")
+                  f"{r['trained_tokens_per_s']:.0f}", f"{r['trained_samples_per_step']:.1f}",
+                  f"{r['carried_token_share']:.0%}", lag, f"{r['dropped']:.0f}", f"{r['tool_s_per_trajectory']:.2f}",
+                  f"{r['rollout_s']:.2f}", f"{r['update_s']:.2f}")
     return t
 
 
@@ -194,15 +205,29 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
-def workload(a, model: str, data: Path, reward: Path) -> list[str]:
-    """The overrides every configuration shares (the long-tail workload and a cheap learner)."""
-    decode = (f"{{max_new_tokens: {a.max_new_tokens}, temperature: 1.0, max_batch: {a.max_batch}}}")
-    return [f"model={model}", f"data.train={data}", f"reward.fns=[{{fn: '{reward}:score'}}]", "data.eval=null",
-            f"rollout.prompts_per_step={a.prompts}", f"rollout.group_size={a.group}", f"rollout.decode={decode}",
+def common(a) -> list[str]:
+    """The overrides of both workloads: sizes, a cheap learner, nothing but the steps measured."""
+    return [f"rollout.prompts_per_step={a.prompts}", f"rollout.group_size={a.group}",
             f"trainer.partial_extra_groups={a.extra}", "trainer.tracking=none", "trainer.progress=false",
-            "trainer.plots=false", "trainer.save_every=0", "trainer.filter_zero_std=false",
+            "trainer.plots=false", "trainer.save_every=0", "trainer.filter_zero_std=false", "data.eval=null",
             "trainer.dynamic_sampling=0", f"rollout.num_threads={a.threads}", "reward.num_workers=1",
-            f"learner={{n_draws: {a.n_draws}, mu: 1, lr: {a.lr}}}", f"trainer.seed={a.seed}", *a.set]
+            f"learner={{n_draws: {a.n_draws}, mu: 1, lr: {a.lr}}}", f"trainer.seed={a.seed}"]
+
+
+def workload(a, model: str, data: Path, reward: Path) -> list[str]:
+    """The overrides every configuration shares: the long-tail workload (module docstring)."""
+    decode = (f"{{max_new_tokens: {a.max_new_tokens}, temperature: 1.0, max_batch: {a.max_batch}}}")
+    return ["--recipe=-", f"model={model}", f"data.train={data}", f"reward.fns=[{{fn: '{reward}:score'}}]",
+            f"rollout.decode={decode}", *common(a), *a.set]
+
+
+def slow_tool_workload(a) -> list[str]:
+    """The overrides every configuration shares: the slow-tool workload (module docstring)."""
+    env = (f"{{max_turns: 3, timeout_s: 2.0, slow_s: {a.slow_s}, fast_s: {a.fast_s}, "
+           f"slow_share: {a.slow_share}}}")
+    return [f"--recipe={a.recipe}", "env.name=ebpo.bench.slow_tools:slow_calculator", f"env.kwargs={env}",
+            "env.turns.max_workers=256", f"rollout.decode={{temperature: 1.0, max_batch: {a.max_batch}}}",
+            *common(a), *a.set]
 
 
 def main(argv: list[str]) -> int:
@@ -222,8 +247,16 @@ def main(argv: list[str]) -> int:
                    help="learner.lr (default 0: the learner does its whole update, but the policy, and so the length "
                         "distribution, stays the same across steps and configurations)")
     p.add_argument("--n-draws", type=int, default=1, help="learner.n_draws (noise draws per sample: the update's cost)")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated configurations to run (default all: {', '.join(CONFIGS)})")
+    p.add_argument("--workload", choices=["long-tail", "slow-tools"], default="long-tail",
+                   help="long-tail: single-turn answers of long-tailed length; slow-tools: the agent recipe with "
+                        "tools that are slow in some episodes (ebpo.bench.slow_tools)")
+    p.add_argument("--recipe", default="recipes/quickstart_agent.yaml", help="slow-tools: the agent recipe")
+    p.add_argument("--slow-s", type=float, default=4.0, help="slow-tools: seconds per tool call of a slow episode")
+    p.add_argument("--fast-s", type=float, default=0.05, help="slow-tools: seconds per tool call of the others")
+    p.add_argument("--slow-share", type=float, default=0.25, help="slow-tools: share of the episodes that are slow")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated configurations to run (default: {', '.join(DEFAULT_CONFIGS)}; all: "
+                        f"{', '.join(CONFIGS)})")
     p.add_argument("--seed", type=int, default=0, help="trainer.seed")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override of every configuration (repeatable)")
@@ -237,8 +270,12 @@ def main(argv: list[str]) -> int:
         p.error(f"--configs: unknown {unknown}; allowed: {list(CONFIGS)}")
     os.environ.setdefault("WANDB_MODE", "offline")
     root = tempfile.mkdtemp(prefix="ebpo-bench-partial-")
-    model = eos_model(os.path.join(root, "eos_model"), a.eos_boost)
-    base = workload(a, model, *write_data(Path(root)))
+    if a.workload == "long-tail":
+        base = workload(a, eos_model(os.path.join(root, "eos_model"), a.eos_boost), *write_data(Path(root)))
+        described = {"model": f"preset:tiny@0, EOS logit +{a.eos_boost:g}", "max_new_tokens": a.max_new_tokens}
+    else:
+        base = slow_tool_workload(a)
+        described = {"recipe": a.recipe, "slow_s": a.slow_s, "fast_s": a.fast_s, "slow_share": a.slow_share}
     load = [os.getloadavg()[0]]
     t0 = time.perf_counter()
     rows: dict[str, list[dict]] = {name: [] for name in names}
@@ -250,12 +287,12 @@ def main(argv: list[str]) -> int:
     res = {"bench": "partial", "machine": platform.machine(), "cpus": os.cpu_count(), "steps": a.steps,
            "rounds": a.rounds, "wall_s": time.perf_counter() - t0,
            "load_average_1min": {"min": min(load), "max": max(load), "samples": load},
-           "workload": {"model": f"preset:tiny@0, EOS logit +{a.eos_boost:g}", "prompts_per_step": a.prompts,
-                        "group_size": a.group, "partial_extra_groups": a.extra, "max_new_tokens": a.max_new_tokens,
-                        "max_batch": a.max_batch, "temperature": 1.0, "lr": a.lr, "n_draws": a.n_draws,
+           "workload": {"name": a.workload, **described, "prompts_per_step": a.prompts,
+                        "group_size": a.group, "partial_extra_groups": a.extra, "max_batch": a.max_batch,
+                        "temperature": 1.0, "lr": a.lr, "n_draws": a.n_draws,
                         "rollout_threads": a.threads, "overrides": a.set},
            "runs": runs, **speedups(runs)}
-    Console(width=140).print(table(res))
+    Console(width=200).print(table(res))
     print("; ".join(f"{k}: {v:.2f}x" for k, v in speedups(runs).items()) +
           f"; load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} CPUs; {res['wall_s']:.0f} s in all")
     if a.json:

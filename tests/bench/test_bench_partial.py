@@ -56,16 +56,39 @@ def test_merge_pools_the_rounds_as_one_longer_run_would():
 def test_speedups_and_the_table_name_every_configuration():
     runs = [{"config": c, "period_median_s": m, "period_mean_s": m + 1, "trained_tokens_per_s": 10.0,
              "carried_token_share": 0.25, "staleness": {"0": 0.5, "1": 0.25, "2": 0.2, "3": 0.05}, "dropped": 2.0,
-             "rollout_s": 1.0, "update_s": 0.5}
+             "rollout_s": 1.0, "update_s": 0.5, "trained_samples_per_step": 8.0, "tool_s_per_trajectory": 0.0}
             for c, m in (("sync", 8.0), ("max_staleness=1", 4.0), ("max_staleness=1 + partial", 2.0))]
     s = speedups(runs)
     assert s["speedup_partial_vs_s1"] == 2.0 and s["speedup_s1_vs_sync"] == 2.0
     assert s["speedup_partial_vs_s1_mean"] == pytest.approx(5 / 3)
     assert speedups(runs[:1]) == {}
     res = {"runs": runs, "steps": 6, "rounds": 2,
-           "workload": {"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 128}}
+           "workload": {"name": "long-tail", "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 128}}
     t = table(res)
     assert [c.header for c in t.columns][0] == "configuration" and t.row_count == 3
     cells = [list(c.cells) for c in t.columns]
     assert cells[0] == ["sync", "max_staleness=1", "max_staleness=1 + partial"]
-    assert cells[5][0] == "50%/25%/25%"  # lags 2 and 3 pooled as 2+
+    assert cells[6][0] == "50%/25%/25%"  # lags 2 and 3 pooled as 2+
+    runs.append(dict(runs[2], config="max_staleness=1 + partial (drop)", period_median_s=1.0))
+    assert speedups(runs)["speedup_partial_drop_vs_s1"] == 4.0
+    res["workload"] = {"name": "slow-tools", "prompts_per_step": 4, "group_size": 2, "slow_s": 4.0, "fast_s": 0.05,
+                       "slow_share": 0.25}
+    assert "tools 4 s in 25% of episodes" in str(table(res).title)
+
+
+def test_slow_tool_episodes_are_a_fixed_hash_of_prompt_and_seed_at_the_asked_share():
+    from ebpo.bench.slow_tools import is_slow, slow_calculator
+
+    pairs = [(f"Compute {i}*7.", seed) for i in range(400) for seed in range(10)]
+    slow = [is_slow(p, s, 0.25) for p, s in pairs]
+    # 4000 independent-looking uniforms: the share is within 5 binomial standard deviations (0.034) of 0.25
+    assert abs(sum(slow) / len(slow) - 0.25) < 5 * (0.25 * 0.75 / len(pairs)) ** 0.5
+    assert slow == [is_slow(p, s, 0.25) for p, s in pairs]  # a pure function of (prompt, seed)
+    assert not any(is_slow(p, s, 0.0) for p, s in pairs) and all(is_slow(p, s, 1.0) for p, s in pairs)
+    env = slow_calculator(slow_s=3.0, fast_s=0.5, slow_share=0.25)
+    for (p, s), want in zip(pairs[:50], slow[:50]):
+        env.reset({"prompt": p}, s)
+        assert env.latency_s == (3.0 if want else 0.5)
+    for bad in ({"slow_s": -1.0}, {"fast_s": -0.1}, {"slow_share": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            slow_calculator(**bad)

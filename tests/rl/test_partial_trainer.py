@@ -104,6 +104,32 @@ def test_partial_rollouts_in_the_asynchronous_loop(ray_local, tmp_path, data, eo
         assert all(learner_version - 2 <= v <= learner_version for v in versions), (step, versions)
 
 
+def test_multi_turn_partial_rollouts_train_whole_episodes_within_the_lag_bound(ray_local, tmp_path):
+    """The agent recipe with partial rollouts in the asynchronous loop, tools slow in half the episodes
+    (ebpo.bench.slow_tools): episodes, some waiting on their tools at a step's end, carry over; whole groups are
+    trained within the lag bound (2 versions), and every group started is trained or still in flight."""
+    from ebpo.infra.config import load_config
+    from ebpo.rl.config import RLConfig
+
+    run_dir = tmp_path / "mt"
+    run = train(load_config(RLConfig, "recipes/quickstart_agent.yaml", [
+        "env.name=ebpo.bench.slow_tools:slow_calculator",
+        "env.kwargs={max_turns: 3, timeout_s: 2.0, slow_s: 1.0, fast_s: 0.0, slow_share: 0.5}",
+        "env.turns.max_workers=64", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.num_threads=1",
+        "trainer.partial_rollouts=true", "trainer.max_staleness=1", "trainer.steps=3", "trainer.dynamic_sampling=0",
+        "trainer.filter_zero_std=false", "data.eval=null", f"trainer.run_dir={run_dir}", "trainer.tracking=none",
+        "trainer.progress=false", "trainer.plots=false", "trainer.save_every=0", "reward.num_workers=1",
+        "learner={n_draws: 1, mu: 1, lr: 0.0001}"]))
+    m = read_metrics(run_dir)
+    assert all(m[s]["train/samples"] >= 4 and m[s]["train/samples"] % 2 == 0 for s in range(1, 4))
+    assert sum(m[s]["agent/tool_calls"] for s in range(1, 4)) > 0  # episodes used the (slow) tool
+    assert m[3]["partial/dropped_total"] == 0 and m[3]["partial/lost_total"] == 0
+    for step, learner_version, versions in run.run.version_log:
+        assert all(learner_version - 2 <= v <= learner_version for v in versions), (step, versions)
+    trained = sum(m[s]["train/samples"] for s in range(1, 4)) / 2
+    assert m[3]["partial/groups_started"] == trained + m[3]["partial/in_flight_groups"]
+
+
 @pytest.mark.slow
 def test_a_dead_rollout_worker_loses_only_its_groups_in_flight_and_counts_them(ray_local, tmp_path, data, eos_model,
                                                                               monkeypatch):
