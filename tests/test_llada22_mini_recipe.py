@@ -37,8 +37,11 @@ def test_plan_fits_one_node_with_trajectory_long_rows():
 
     cfg = load_config(RLConfig, RECIPE, ["model=preset:llada22_mini"])
     p = plan(cfg, gpus_per_node=8, gpu_mem_gb=80.0, nodes=1)
-    # the plan sizes a row as prompt + decode.max_new_tokens; a multi-turn row is up to env.turns.max_total_tokens
+    # a multi-turn row is up to env.turns.max_total_tokens, whatever decode.max_new_tokens says
     assert p["rollout"]["seq_len"] == cfg.env.turns.max_total_tokens
+    longer = plan(load_config(RLConfig, RECIPE, ["model=preset:llada22_mini", "env.turns.max_total_tokens=4096",
+                                                 "rollout.decode.max_new_tokens=16"]), 8, 80.0, 1)
+    assert longer["rollout"]["seq_len"] == 4096 and longer["learner"]["row_len"] >= 4096
     assert p["learner"]["row_len"] >= cfg.env.turns.max_total_tokens
     assert p["model"]["block_routing_capacity"] == 48
     assert p["cluster"]["gpus_asked"] == 8

@@ -58,8 +58,12 @@ def plan(cfg, gpus_per_node: int, gpu_mem_gb: float, nodes: int) -> dict:
     config = model_config(cfg.model)
     lc = cfg.learner
     K = lc.block_size or config.block_size
-    max_new = int(cfg.rollout.decode.get("max_new_tokens", 256))
-    seq = cfg.data.max_prompt_tokens + max_new
+    if cfg.env.multi_turn:  # a trajectory's row: prompt, turns and tool results, up to env.turns.max_total_tokens
+        seq = cfg.env.turns.max_total_tokens
+        max_new = seq - min(cfg.data.max_prompt_tokens, seq)
+    else:
+        max_new = int(cfg.rollout.decode.get("max_new_tokens", 256))
+        seq = cfg.data.max_prompt_tokens + max_new
     row_len = math.ceil(seq / K) * K
     budget = lc.max_tokens_per_microbatch
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
