@@ -33,42 +33,67 @@ LEV = dict(tau_delete=0.5, tau_insert=0.5, max_lev_edits=2)
 
 
 @torch.no_grad()
-def repair(model_path: str, rows: list[dict], rounds: int = 4) -> dict:
-    from ebpo.core.lev_objective import apply_predictions, corrupt_blocks
+def edit_round(model, draft: torch.Tensor, ids: torch.Tensor, resp: torch.Tensor, block_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round of the model's edits on `draft` (B, L): (next draft (B, L), predicted ids (B, L)).
+
+    One `[draft ; clean]` forward (block b sees the correct blocks before it), argmax with [MASK] excluded, and
+    its DELETE / INSERT predictions applied as in `apply_ops`; positions outside `resp` stay as they are.
+    """
+    from ebpo.core.lev_objective import apply_predictions
     from ebpo.core.objectives import noisy_half_hidden
+
+    cfg = model.config
+    mask = cfg.mask_token_id
+    dele = cfg.delete_token_id if cfg.delete_token_id is not None else -1
+    ins = cfg.insert_token_id if cfg.insert_token_id is not None else -1
+    logits = model.lm_head(noisy_half_hidden(model, draft, ids, block_size)).float()
+    logits[..., mask] = float("-inf")
+    pred = logits.argmax(-1)
+    return apply_predictions(draft, pred, block_size, mask, dele, ins, resp), pred
+
+
+@torch.no_grad()
+def repair(model_path: str, rows: list[dict], rounds: int = 4, block_size: int | None = None) -> dict:
+    """Repair test (module docstring) in blocks of `block_size` (None = the model's own)."""
+    from ebpo.core.lev_objective import corrupt_blocks
     from ebpo.infra.data import collate, encode_sft
     from ebpo.core.noise import substitution_ids
 
     model = load_model(model_path).eval()
     tok = load_model_tokenizer(model_path)
     cfg = model.config
-    K, mask = cfg.block_size, cfg.mask_token_id
-    dele = cfg.delete_token_id if cfg.delete_token_id is not None else -1
-    ins = cfg.insert_token_id if cfg.insert_token_id is not None else -1
+    K, mask = block_size or cfg.block_size, cfg.mask_token_id
     ids, resp = collate([encode_sft(tok, r["prompt"], r["response"], chat_template=True, max_len=128) for r in rows],
                         K, tok.pad_token_id, eos_id=tok.eos_token_id, mask_id=mask)
     allowed = substitution_ids(cfg.vocab_size, sorted(set(tok.all_special_ids) - {tok.eos_token_id} | {mask}))
     draft = corrupt_blocks(ids, resp, K, mask, 1.0, allowed, torch.Generator().manual_seed(0))
+    corrupted = float((~(draft.eq(ids) | ~resp).all(-1)).float().mean())
     fixed = []
     for _ in range(rounds):
-        logits = model.lm_head(noisy_half_hidden(model, draft, ids, K)).float()
-        logits[..., mask] = float("-inf")
-        draft = apply_predictions(draft, logits.argmax(-1), K, mask, dele, ins, resp)
+        draft = edit_round(model, draft, ids, resp, K)[0]
         fixed.append(float((draft.eq(ids) | ~resp).all(-1).float().mean()))
     return {"model": model_path, "repaired_after_1": fixed[0], f"repaired_after_{rounds}": fixed[-1],
-            "corrupted": float((~(corrupt_blocks(ids, resp, K, mask, 1.0, allowed, torch.Generator().manual_seed(0))
-                                  .eq(ids) | ~resp).all(-1)).float().mean())}
+            "corrupted": corrupted}
+
+
+def decode_rows(model, tok, rows: list[dict], cfg: DecodeConfig, batch_size: int = 100, **kw) -> list:
+    """`generate` over the rows' prompts (chat template) in batches; one `GenerationOutput` per row."""
+    prompts = [encode_prompt(tok, r["prompt"], True) for r in rows]
+    outs = []
+    with torch.no_grad():
+        for s in range(0, len(prompts), batch_size):
+            extra = {k: v[s:s + batch_size] for k, v in kw.items()}  # per-row lists (seeds)
+            outs += generate(model, prompts[s:s + batch_size], cfg, tokenizer=tok, **extra)
+    return outs
 
 
 def evaluate(model_path: str, rows: list[dict], lev: bool, batch_size: int = 100) -> dict:
     model = load_model(model_path).eval()
     tok = load_model_tokenizer(model_path)
     cfg = DecodeConfig.preset("quality", max_new_tokens=40, **(LEV if lev else {}))
-    prompts = [encode_prompt(tok, r["prompt"], True) for r in rows]
-    outs, t0 = [], time.perf_counter()
-    with torch.no_grad():
-        for s in range(0, len(prompts), batch_size):
-            outs += generate(model, prompts[s:s + batch_size], cfg, tokenizer=tok)
+    t0 = time.perf_counter()
+    outs = decode_rows(model, tok, rows, cfg, batch_size)
     correct = score_rows(rows, [o.text for o in outs])
     n = len(rows)
     return {"model": model_path, "decode": "levenshtein" if lev else "t2t", "rows": n,

@@ -31,18 +31,19 @@ def make_row(rng: random.Random, min_len: int = 12, max_len: int = 40) -> dict:
     return {"prompt": f"{kind}: {s}", "answer": ans, "response": ans, "task": "lev_fair"}
 
 
-def make_splits(n_train: int, n_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+def make_splits(n_train: int, n_eval: int, seed: int = 0, min_len: int = 12, max_len: int = 40
+                ) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows); held-out prompts are drawn first and never repeat or occur in train."""
     rng = random.Random(seed)
     held, seen = [], set()
     while len(held) < n_eval:
-        r = make_row(rng)
+        r = make_row(rng, min_len, max_len)
         if r["prompt"] not in seen:
             seen.add(r["prompt"])
             held.append(r)
     train = []
     while len(train) < n_train:
-        r = make_row(rng)
+        r = make_row(rng, min_len, max_len)
         if r["prompt"] not in seen:
             train.append(r)
     return train, held
