@@ -1,0 +1,188 @@
+"""Rules of ebpo/core/likelihood.py that its mutation run (issue 40) found unpinned, each against a plain reading.
+
+* `response_mask_from_ids`: response = prompt end up to and including the first EOS at or after the prompt, cut at
+  `seq_lens` when given; bad shapes refused with messages naming the argument;
+* `NoiseDraws`: `scored()` is masked | substituted; `rows` / `take` are the plain slices of every field (t cut to
+  whole blocks); `take` refuses a length that is not a whole number of blocks;
+* `draw_noise`: its bounds refused with messages naming them.
+"""
+import random
+
+import pytest
+import torch
+
+from ebpo.core.likelihood import (NoiseDraws, all_composites, direct_backward, draw_noise, per_turn_composites,
+                                  replay_backward, response_mask_from_ids, turn_response_mask)
+
+EOS = 1
+
+
+def _plain_response_mask(ids, prompt_lens, seq_lens):
+    B, L = ids.shape
+    out = torch.zeros(B, L, dtype=torch.bool)
+    for i in range(B):
+        end = L if seq_lens is None else int(seq_lens[i])
+        for p in range(int(prompt_lens[i]), end):
+            out[i, p] = True
+            if int(ids[i, p]) == EOS:
+                break
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_response_mask_with_and_without_seq_lens_is_the_plain_loop(seed):
+    rng = random.Random(seed)
+    B, L = 5, rng.randint(1, 12)
+    ids = torch.tensor([[rng.choice([EOS, 3, 4, 5]) for _ in range(L)] for _ in range(B)])  # EOS anywhere
+    prompt_lens = torch.tensor([rng.randint(0, L) for _ in range(B)], dtype=torch.int32)  # not long: converted
+    seq_lens = torch.tensor([rng.randint(int(p), L) for p in prompt_lens], dtype=torch.int32)
+    for sl in (None, seq_lens):
+        got = response_mask_from_ids(ids, prompt_lens, EOS, seq_lens=sl)
+        assert got.dtype == torch.bool and torch.equal(got, _plain_response_mask(ids, prompt_lens, sl)), (sl, got)
+
+
+def test_response_mask_refuses_bad_shapes_naming_the_argument():
+    with pytest.raises(ValueError, match=r"input_ids: expected \(B, L\), got \(4,\)"):
+        response_mask_from_ids(torch.zeros(4, dtype=torch.long), torch.zeros(1, dtype=torch.long), EOS)
+    with pytest.raises(ValueError, match=r"prompt_lens: expected shape \(2,\), got \(3,\)"):
+        response_mask_from_ids(torch.zeros(2, 5, dtype=torch.long), torch.zeros(3, dtype=torch.long), EOS)
+
+
+def _draws(N=3, B=4, L=12, K=4, sub=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    masked = torch.rand(N, B, L, generator=g) < 0.3
+    substituted = (torch.rand(N, B, L, generator=g) < 0.3) & ~masked if sub else None
+    return NoiseDraws(masked=masked, t=torch.rand(N, B, (L + K - 1) // K, generator=g),
+                      weight=torch.rand(N, B, L, generator=g), block_size=K, substituted=substituted,
+                      sub_ids=torch.randint(0, 50, (N, B, L), generator=g) if sub else None,
+                      noisy_ids=torch.randint(0, 50, (N, B, L), generator=g),
+                      targets=torch.randint(0, 50, (N, B, L), generator=g))
+
+
+def test_scored_is_masked_or_substituted():
+    nz = _draws()
+    assert torch.equal(nz.scored(), nz.masked | nz.substituted)
+    only = _draws(sub=False)
+    assert torch.equal(only.scored(), only.masked)
+
+
+FIELDS = ("masked", "weight", "substituted", "sub_ids", "noisy_ids", "targets")
+
+
+@pytest.mark.parametrize("sub", [True, False])
+def test_rows_and_take_are_plain_slices_of_every_field(sub):
+    N, B, L, K = 3, 4, 12, 4
+    nz = _draws(N, B, L, K, sub=sub)
+    idx = torch.tensor([2, 0])
+    for length, got in ((None, nz.rows(idx)), (None, nz.take(idx)), (L, nz.take(idx, L)),
+                        (None, nz.take(idx, L + K)), (8, nz.take(idx, 8)), (4, nz.take(idx, 4))):
+        cut = L if length is None else length
+        assert got.block_size == K and got.n_draws == N
+        assert torch.equal(got.t, nz.t[:, [2, 0], : cut // K])
+        for f in FIELDS:
+            want = getattr(nz, f)
+            if want is None:
+                assert getattr(got, f) is None, f
+            else:
+                assert torch.equal(getattr(got, f), want[:, [2, 0], :cut]), (f, length)
+
+
+def test_take_refuses_a_length_that_is_not_whole_blocks():
+    with pytest.raises(ValueError, match="NoiseDraws.take: length 6 is not a multiple of the block size 4"):
+        _draws().take(torch.tensor([0]), 6)
+
+
+@pytest.mark.parametrize("t_min,t_max", [(0.0, 0.5), (-0.1, 0.5), (0.6, 0.5), (0.2, 1.01)])
+def test_draw_noise_refuses_levels_outside_0_1(t_min, t_max):
+    with pytest.raises(ValueError, match=rf"t_min/t_max: need 0 < t_min <= t_max <= 1, got t_min={t_min}, "
+                                         rf"t_max={t_max}"):
+        draw_noise(torch.ones(1, 4, dtype=torch.bool), 4, 2, t_min, t_max, torch.Generator().manual_seed(0))
+
+
+def test_draw_noise_accepts_the_closed_bounds_and_refuses_zero_draws():
+    nz = draw_noise(torch.ones(1, 4, dtype=torch.bool), 4, 1, 1.0, 1.0, torch.Generator().manual_seed(0))
+    assert nz.masked.all() and torch.equal(nz.t, torch.ones(1, 1, 1))  # t = 1 masks every response token
+    with pytest.raises(ValueError, match="n_draws: must be >= 1, got 0"):
+        draw_noise(torch.ones(1, 4, dtype=torch.bool), 4, 0, 0.2, 0.5, torch.Generator().manual_seed(0))
+
+
+def test_turn_response_mask_says_how_to_fix_a_leaking_block():
+    generated = torch.tensor([[False, True, True, False]])  # a model turn, then environment tokens in its block
+    segment = torch.tensor([[0, 1, 1, 2]])
+    with pytest.raises(ValueError, match=r"row 0 block 0 holds model tokens and a later segment \(environment "
+                                         r"tokens after a turn must start a new block: "
+                                         r"ebpo\.core\.turns\.layout_segments\)"):
+        turn_response_mask(generated, segment, 4)
+
+
+def _plain_per_turn(blocks, turn, K, n_turns):
+    B, N, nb = blocks.shape
+    out = torch.zeros(B, N, n_turns, dtype=blocks.dtype)
+    for i in range(B):
+        for b in range(nb):
+            owners = {int(x) for x in turn[i, b * K:(b + 1) * K] if int(x) >= 0}
+            assert len(owners) <= 1  # aligned turns: a block belongs to at most one turn
+            for t in owners:
+                out[i, :, t] += blocks[i, :, b]
+    return out
+
+
+@pytest.mark.parametrize("L", [8, 9, 10, 11, 13])
+def test_per_turn_composites_give_each_turn_its_blocks_and_context_blocks_nothing(L):
+    """Any per-block values (not only composites, which are 0 where nothing is generated): a block's value goes
+    to the turn whose tokens it holds; blocks of context only (a partial last one included) count for no turn;
+    turns beyond the ones present get 0 (shape (B, N, n_turns))."""
+    K, n_turns, B, N = 4, 4, 3, 2
+    nb = -(-L // K)
+    rng = random.Random(L)
+    turn = torch.full((B, L), -1)
+    for i in range(B):  # whole blocks of one turn each, in order; context elsewhere (and the last block's tail)
+        t = -1
+        for b in range(nb):
+            if rng.random() < 0.5 and b < nb - (L % K != 0) and t < 1:  # turns 0, 1 only: 2, 3 stay empty
+                t += 1
+                lo = b * K + rng.randint(0, K - 1)
+                turn[i, lo:(b + 1) * K] = t
+    blocks = torch.randn(B, N, nb, generator=torch.Generator().manual_seed(L), dtype=torch.float64)
+    got = per_turn_composites(blocks, turn, K, n_turns)
+    assert got.shape == (B, N, n_turns) and got.dtype == blocks.dtype
+    # float64 sums of at most nb = 4 unit-sized terms, in any order: 1e-12 is far above their rounding
+    assert torch.allclose(got, _plain_per_turn(blocks, turn, K, n_turns), rtol=0, atol=1e-12)
+
+
+def _loss_fn(c):
+    return (c * torch.linspace(-1.0, 1.0, c.numel()).view_as(c)).sum(), {"n": c.numel()}
+
+
+@pytest.mark.parametrize("path", ["direct", "replay"])
+def test_backward_paths_return_the_composites_and_with_return_blocks_their_blocks(small_model, path):
+    """(loss, metrics, C) with C (B, N) detached, the no-grad composites; with return_blocks the last item is
+    (C, per-block composites (B, N, nb)) whose sum over blocks is C. fp32 sums of < 50 terms of a few units:
+    1e-4 is far above their rounding."""
+    K, N = 4, 3
+    ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    resp = torch.zeros(2, 10, dtype=torch.bool)
+    resp[0, 3:], resp[1, 6:] = True, True
+    nz = draw_noise(resp, K, N, 0.2, 0.9, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, want_blocks = all_composites(small_model, ids, nz, 2, return_blocks=True)
+    run = direct_backward if path == "direct" else replay_backward
+    loss, metrics, comp = run(small_model, ids, nz, 2, _loss_fn)
+    assert isinstance(comp, torch.Tensor) and comp.shape == (2, N) and not comp.requires_grad
+    assert torch.allclose(comp, want, atol=1e-4) and metrics == {"n": 2 * N}
+    assert torch.allclose(loss, _loss_fn(want)[0], atol=1e-4) and not loss.requires_grad
+    loss, _, (comp, blocks) = run(small_model, ids, nz, 2, _loss_fn, return_blocks=True)
+    assert blocks.shape == (2, N, 3) and not comp.requires_grad and not blocks.requires_grad
+    assert torch.allclose(comp, want, atol=1e-4) and torch.allclose(blocks, want_blocks, atol=1e-4)
+    small_model.zero_grad(set_to_none=True)
+
+
+def test_take_of_the_whole_length_is_rows_even_with_a_partial_last_block():
+    """length >= L means all positions (the docstring's "None = all"), also when L is not whole blocks."""
+    nz = _draws(N=2, B=3, L=10, K=4)
+    idx = torch.tensor([1, 2])
+    for length in (10, 11, 12):
+        got = nz.take(idx, length)
+        assert torch.equal(got.t, nz.t[:, [1, 2]]) and got.t.shape[-1] == 3
+        for f in FIELDS:
+            assert torch.equal(getattr(got, f), getattr(nz, f)[:, [1, 2]]), (f, length)

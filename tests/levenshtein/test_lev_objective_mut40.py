@@ -1,0 +1,188 @@
+"""Rules of ebpo/core/lev_objective.py that its mutation run (issue 40) found unpinned.
+
+* `corrupt_blocks` (module docstring): an inserted token is drawn from every allowed id; each editable position is
+  masked with its block's level, drawn from U[0, 0.5), by its own coin (independent between positions and rows);
+  with `rate` 0 nothing but masks changes;
+* `lev_round`'s DELETE / INSERT weight defaults to 1;
+* `levenshtein_loss` trains on the first round(lev_fraction * B) rows, at least one, and calls `next_draft` for
+  each later round only (lev_rounds - 1 times, on that round's draft).
+
+The statistical checks use fixed seeds; each bound is Hoeffding's for independent terms in [0, 1]
+(P(|mean - E| >= eps) <= 2 exp(-2 n eps^2)), sized in the test so that a false failure has probability < 1e-8.
+"""
+import json
+
+import pytest
+import torch
+
+from ebpo.core.lev_objective import corrupt_blocks, lev_round, levenshtein_loss
+from ebpo.core.objectives import ObjectiveConfig
+
+MASK, DEL, INS = 2, 105, 106
+
+
+def test_inserted_tokens_are_drawn_from_every_allowed_id():
+    """Clean tokens 10..19, allowed ids {100, 101}: an allowed id in a draft is an inserted token. With rate 1 each
+    block's first corruption is an insert of id 100 with probability 1/6; it stays in the block when the second
+    corruption is no delete (2/3) and does not push it out (7/8), and it is seen unmasked with probability >= 1/2:
+    >= 0.048 per block, so 800 blocks miss it with probability < (1 - 0.048)^800 < 1e-16 (id 101 alike)."""
+    B, K, L = 400, 8, 16
+    clean = torch.arange(B * L).remainder(10).add(10).view(B, L)
+    editable = torch.ones(B, L, dtype=torch.bool)
+    allowed = torch.tensor([100, 101])
+    out = corrupt_blocks(clean, editable, K, MASK, 1.0, allowed, torch.Generator().manual_seed(0))
+    seen = set(out.unique().tolist())
+    assert {100, 101} <= seen
+    assert seen <= set(range(10, 20)) | {100, 101, MASK}
+
+
+
+def _reachable(seg, allowed, n):
+    """Every block segment that at most two corruptions (insert an allowed id, delete, duplicate; any position) of
+    `seg` give, padded with [MASK] or cut back to `n` tokens."""
+    out, frontier = set(), {tuple(seg)}
+    for _ in range(3):
+        out |= frontier
+        nxt = set()
+        for s in frontier:
+            for at in range(len(s) + 1):
+                nxt |= {s[:at] + (a,) + s[at:] for a in allowed}
+            for at in range(len(s)):
+                nxt |= {s[:at] + s[at + 1:], s[:at] + (s[at],) + s[at:]}
+        frontier = nxt
+    return {(s + (MASK,) * n)[:n] for s in out}
+
+
+def test_each_block_is_corrupted_from_its_own_tokens_at_most_twice():
+    """Each block's editable segment is its own clean segment after at most two corruptions (rate 1: always two),
+    cut back or padded to its length, then partly masked: no token moves between blocks, prompts stay."""
+    B, K, L = 24, 6, 18
+    clean = torch.arange(10, 10 + B * L).view(B, L)  # every token distinct: a moved token would show
+    editable = torch.zeros(B, L, dtype=torch.bool)
+    for b in range(B):
+        editable[b, b % (2 * K):] = True  # prompts of 0 .. 2K - 1 tokens: whole prompt blocks and partial ones
+    allowed = (1000, 1001)
+    out = corrupt_blocks(clean, editable, K, MASK, 1.0, torch.tensor(allowed), torch.Generator().manual_seed(3))
+    assert torch.equal(out[~editable], clean[~editable])
+    for b in range(B):
+        for k in range(L // K):
+            lo, hi = max(k * K, b % (2 * K)), (k + 1) * K
+            if lo >= hi:
+                continue
+            got = tuple(out[b, lo:hi].tolist())
+            cands = _reachable(tuple(clean[b, lo:hi].tolist()), allowed, hi - lo)
+            assert any(all(g in (MASK, c) for g, c in zip(got, cand)) for cand in cands), (b, k, got)
+
+
+def test_blocks_after_a_whole_prompt_block_are_corrupted():
+    """Rows whose first block is all prompt: the response blocks after it are still corrupted. Per block at rate 1,
+    the first corruption inserts an allowed id at position 0 with probability 1/3 * 1/K, the second leaves it
+    there unless it deletes position 0 (1/3 * 1/(K + 1)), and it is unmasked with probability >= 1/2: >= 0.02
+    for K = 8. 1200 blocks show no allowed id with probability < 0.98^1200 < 1e-10."""
+    B, K, L = 400, 8, 32
+    clean = torch.arange(B * L).remainder(40).add(10).view(B, L)
+    editable = torch.zeros(B, L, dtype=torch.bool)
+    editable[:, K + 2:] = True
+    out = corrupt_blocks(clean, editable, K, MASK, 1.0, torch.tensor([100, 101]), torch.Generator().manual_seed(4))
+    assert torch.equal(out[:, :K + 2], clean[:, :K + 2])
+    assert (out[:, K:] >= 100).any()
+
+def _masking(B, K, L, seed):
+    clean = torch.arange(B * L).remainder(7).add(10).view(B, L)  # never MASK
+    editable = torch.ones(B, L, dtype=torch.bool)
+    out = corrupt_blocks(clean, editable, K, MASK, 0.0, torch.tensor([50]), torch.Generator().manual_seed(seed))
+    hidden = out == MASK
+    assert torch.equal(out[~hidden], clean[~hidden])  # rate 0: nothing but masks
+    return hidden.view(B, L // K, K).float()  # (B, nb, K)
+
+
+def test_mask_level_is_uniform_below_one_half_per_block():
+    """E[fraction of a block masked] = E[level] = 1/4 for levels ~ U[0, 0.5). n = 4000 blocks, eps = 0.05:
+    2 exp(-20) < 5e-9. (Levels from U[0, 1) or U[0, 1.5) give a mean of 1/2 or more.)"""
+    h = _masking(2000, 8, 16, 1)
+    assert abs(h.mean(-1).mean().item() - 0.25) < 0.05
+
+
+def test_mask_coins_are_independent_between_positions_and_rows():
+    """Two positions of one block are both masked with probability E[level^2] = 1/12 (independent coins; 1/4 if
+    the block shared one coin). The same position of two rows is masked in both with probability
+    E[level]^2 = 1/16 (independent levels and coins; E[min of two levels] = 1/6 if the rows shared their coins).
+    Per block (resp. per pair of rows and block) the fraction of such pairs is in [0, 1]; n = 4000 blocks and
+    4000 row pairs' blocks, eps = 0.05: 2 exp(-20) < 5e-9 each."""
+    h = _masking(4000, 8, 16, 2)  # (B, nb, K)
+    K = h.shape[-1]
+    both_in_block = (h.sum(-1) ** 2 - h.sum(-1)) / (K * (K - 1))  # ordered pairs i != j both masked
+    assert abs(both_in_block.mean().item() - 1 / 12) < 0.05
+    both_rows = (h[0::2] * h[1::2]).mean(-1)  # (B/2, nb)
+    assert abs(both_rows.mean().item() - 1 / 16) < 0.05
+
+
+def test_lev_round_edit_weight_defaults_to_one(small_model):
+    model = small_model
+    K = model.config.block_size
+    clean = torch.arange(5, 5 + 3 * K).remainder(5).add(5)[None]
+    draft = torch.cat([clean[:, :K + 1], clean[:, K:-1]], 1)  # a duplicated token: a DELETE label, then shifts
+    editable = torch.ones_like(clean, dtype=torch.bool)
+    with torch.no_grad():
+        default, m, _ = lev_round(model, model.lm_head, draft, clean, editable, K, MASK, DEL, INS, 0.5)
+        one, _, _ = lev_round(model, model.lm_head, draft, clean, editable, K, MASK, DEL, INS, 0.5, 1.0)
+        two, _, _ = lev_round(model, model.lm_head, draft, clean, editable, K, MASK, DEL, INS, 0.5, 2.0)
+    assert m["lev_deletes"] + m["lev_inserts"] > 0  # there are edit labels to weigh
+    assert float(default) == float(one) != float(two)
+
+
+def _setup(B=4, K=8, L=32):
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(10, 60, (B, L), generator=g)
+    resp = torch.zeros(B, L, dtype=torch.bool)
+    for b, p in enumerate([3, 8, 11, 0, 5, 16][:B]):
+        resp[b, p:] = True
+    return clean, resp, clean.masked_fill(resp, MASK)
+
+
+@pytest.mark.parametrize("B,fraction", [(4, 0.1), (4, 0.5), (3, 0.9), (5, 0.3)])
+def test_lev_rounds_take_the_first_round_fraction_rows_at_least_one(small_model, B, fraction):
+    """lev_source "model": the draft is the first round's, so rows [:n] alone give the same loss."""
+    model = small_model
+    K = model.config.block_size
+    clean, resp, first = _setup(B, K, 4 * K)
+    n = max(1, round(fraction * B))
+    common = dict(lev_weight=1.0, lev_source="model", lev_rate=0.5, lev_rounds=2)
+    with torch.no_grad():
+        got, m = levenshtein_loss(model, model.lm_head, clean, resp, first,
+                                  ObjectiveConfig(**common, lev_fraction=fraction), K, MASK, DEL, INS,
+                                  torch.arange(10, 60), torch.Generator().manual_seed(1))
+        want, w = levenshtein_loss(model, model.lm_head, clean[:n], resp[:n], first[:n],
+                                   ObjectiveConfig(**common, lev_fraction=1.0), K, MASK, DEL, INS,
+                                   torch.arange(10, 60), torch.Generator().manual_seed(1))
+    assert got.dtype == torch.float32 and float(got) == float(want)
+    assert json.dumps(m, sort_keys=True) == json.dumps(w, sort_keys=True)  # NaN-safe
+    if n < B:  # and not more rows: all B rows give another loss
+        with torch.no_grad():
+            more, _ = levenshtein_loss(model, model.lm_head, clean[:n + 1], resp[:n + 1], first[:n + 1],
+                                       ObjectiveConfig(**common, lev_fraction=1.0), K, MASK, DEL, INS,
+                                       torch.arange(10, 60), torch.Generator().manual_seed(1))
+        assert float(more) != float(got)
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+def test_next_draft_builds_each_later_round_only(small_model, rounds):
+    model = small_model
+    K = model.config.block_size
+    clean, resp, first = _setup(3, K, 4 * K)
+    calls = []
+
+    def next_draft(draft, logits, editable, block_size):
+        calls.append(draft.clone())
+        assert logits.shape[0] == int(editable.sum()) and block_size == K and not logits.requires_grad
+        return draft.roll(1, -1).masked_scatter(~editable, draft[~editable])  # some other draft, same fixed part
+
+    cfg = ObjectiveConfig(lev_weight=1.0, lev_source="model", lev_rate=0.5, lev_rounds=rounds, lev_fraction=1.0)
+    levenshtein_loss(model, model.lm_head, clean, resp, first, cfg, K, MASK, DEL, INS, torch.arange(10, 60),
+                     torch.Generator().manual_seed(1), next_draft=next_draft)
+    assert len(calls) == rounds - 1
+    for r, d in enumerate(calls):  # round r + 1's draft: the first draft rolled r times where editable
+        want = first.clone()
+        for _ in range(r):
+            want = want.roll(1, -1).masked_scatter(~resp, want[~resp])
+        assert torch.equal(d, want)
