@@ -17,7 +17,8 @@ Every decode is Speedy (`speed` preset: tau_mask 0.5, tau_edit 0), greedy, 48 ne
   start's shifted answers one round of the model's edits turns into the reference ("own-draft repair").
 * `table`: per model: accuracy, accuracy on the start's shifted rows and on the rows the start got right, the shift
   share of its own errors, TPF, DELETE / INSERT per sequence, one-round repair (`evaluate.repair`) at blocks 8, 16,
-  32, the label accuracies above, and temperature-1 rollouts as the RL recipe draws them (128 training prompts x 4):
+  32, the label accuracies above, and temperature-1 rollouts as the RL recipe draws them (--rollout-prompts training
+  prompts, default 64, x 4):
   the share with a DELETE / INSERT operation and the share with one and a correct answer. Then the means per arm
   (NAME without its `-sN` seed suffix).
 """
@@ -134,7 +135,10 @@ def evaluate_model(model_path: str, rows: list[dict], start: dict, train_rows: l
         rep = repair(model_path, rows, rounds=1, block_size=K)
         res[f"repair_{K}"], res[f"corrupted_{K}"] = rep["repaired_after_1"], rep["corrupted"]
     res.update(label_accuracy(model_path, rows, start["texts"]))
-    res.update(rollout_shares(model_path, train_rows))
+    if train_rows:
+        res.update(rollout_shares(model_path, train_rows))
+    else:
+        res.update({k: float("nan") for k in ("rollout_accuracy", "share_with_op", "share_with_op_right")})
     return {"model": model_path, **res}
 
 
@@ -171,6 +175,7 @@ def main() -> None:
     ap.add_argument("models", nargs="+", help="gate / labels: model folders; table: NAME=MODEL")
     ap.add_argument("--start", default=None, help="the gate's JSON (labels, table)")
     ap.add_argument("--rows", type=int, default=500)
+    ap.add_argument("--rollout-prompts", type=int, default=64, help="table: training prompts x 4 rollouts (0 = none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -188,7 +193,7 @@ def main() -> None:
         for m in args.models:
             print(json.dumps({"model": m, **label_accuracy(m, rows, start["texts"])}), flush=True)
         return
-    train_rows = load_rows(TRAIN)[:128]
+    train_rows = load_rows(TRAIN)[: args.rollout_prompts]
     results = {}
     for spec in args.models:
         name, path = spec.split("=", 1)
