@@ -150,9 +150,16 @@ def merge(rows: list[dict]) -> dict:
     return out
 
 
-def speedups(runs: list[dict]) -> dict[str, float]:
-    """Ratios of seconds per step (median, and mean) between the configurations present: partial vs
-    max_staleness=1 alone, and max_staleness=1 vs sync."""
+def per_batch_s(row: dict, batch: int) -> float:
+    """Wall seconds per `batch` trained samples (prompts_per_step x group_size): the step period at equal work.
+    With trainer.partial_overdue=wait a step trains overdue groups beyond the quota, so its steps are larger and
+    seconds per step alone would flatter the configurations that train less."""
+    return row["period_mean_s"] * batch / max(row["trained_samples_per_step"], 1e-9)
+
+
+def speedups(runs: list[dict], batch: int | None = None) -> dict[str, float]:
+    """Ratios of seconds per step (median, and mean; with `batch`, also seconds per `batch` trained samples)
+    between the configurations present: partial (wait, drop) vs max_staleness=1 alone, max_staleness=1 vs sync."""
     by = {r["config"]: r for r in runs}
     out = {}
     for slow, fast, key in (("max_staleness=1", "max_staleness=1 + partial", "partial_vs_s1"),
@@ -161,6 +168,8 @@ def speedups(runs: list[dict]) -> dict[str, float]:
         if slow in by and fast in by:
             out[f"speedup_{key}"] = by[slow]["period_median_s"] / by[fast]["period_median_s"]
             out[f"speedup_{key}_mean"] = by[slow]["period_mean_s"] / by[fast]["period_mean_s"]
+            if batch:
+                out[f"speedup_{key}_per_batch"] = per_batch_s(by[slow], batch) / per_batch_s(by[fast], batch)
     return out
 
 
@@ -173,13 +182,16 @@ def table(res: dict):
             f"tools {w['slow_s']:g} s in {w['slow_share']:.0%} of episodes, else {w['fast_s']:g} s")
     t = Table(title=f"RL step, {w['name']} workload ({w['prompts_per_step']} prompts x {w['group_size']}, {what}, "
                     f"{res['steps']} measured steps x {res['rounds']} round(s))")
-    for col in ("configuration", "s/step median", "s/step mean", "trained tok/s", "samples/step", "carried tokens",
+    batch = w["prompts_per_step"] * w["group_size"]
+    for col in ("configuration", "s/step median", "s/step mean", f"s per {batch} samples", "trained tok/s",
+                "samples/step", "carried tokens",
                 "staleness 0/1/2+", "dropped seqs", "tool s/traj", "rollout s", "update s"):
         t.add_column(col)
     for r in res["runs"]:
         st = {int(k): v for k, v in r["staleness"].items()}
         lag = f"{st.get(0, 0):.0%}/{st.get(1, 0):.0%}/{sum(v for k, v in st.items() if k >= 2):.0%}"
         t.add_row(r["config"], f"{r['period_median_s']:.2f}", f"{r['period_mean_s']:.2f}",
+                  f"{per_batch_s(r, batch):.2f}",
                   f"{r['trained_tokens_per_s']:.0f}", f"{r['trained_samples_per_step']:.1f}",
                   f"{r['carried_token_share']:.0%}", lag, f"{r['dropped']:.0f}", f"{r['tool_s_per_trajectory']:.2f}",
                   f"{r['rollout_s']:.2f}", f"{r['update_s']:.2f}")
@@ -237,7 +249,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds over the configurations, interleaved (A B C A B C)")
     p.add_argument("--prompts", type=int, default=4, help="rollout.prompts_per_step")
     p.add_argument("--group", type=int, default=2, help="rollout.group_size")
-    p.add_argument("--extra", type=int, default=8, help="trainer.partial_extra_groups (groups in flight beyond "
+    p.add_argument("--extra", type=int, default=4, help="trainer.partial_extra_groups (groups in flight beyond "
                                                         "the prompts_per_step a step trains on)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer (tokens)")
     p.add_argument("--max-batch", type=int, default=0, help="rollout.decode.max_batch (0: every sequence at once)")
@@ -291,9 +303,9 @@ def main(argv: list[str]) -> int:
                         "group_size": a.group, "partial_extra_groups": a.extra, "max_batch": a.max_batch,
                         "temperature": 1.0, "lr": a.lr, "n_draws": a.n_draws,
                         "rollout_threads": a.threads, "overrides": a.set},
-           "runs": runs, **speedups(runs)}
+           "runs": runs, **speedups(runs, a.prompts * a.group)}
     Console(width=200).print(table(res))
-    print("; ".join(f"{k}: {v:.2f}x" for k, v in speedups(runs).items()) +
+    print("; ".join(f"{k}: {v:.2f}x" for k, v in speedups(runs, a.prompts * a.group).items()) +
           f"; load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} CPUs; {res['wall_s']:.0f} s in all")
     if a.json:
         with open(a.json, "w") as f:

@@ -68,7 +68,12 @@ def test_speedups_and_the_table_name_every_configuration():
     assert [c.header for c in t.columns][0] == "configuration" and t.row_count == 3
     cells = [list(c.cells) for c in t.columns]
     assert cells[0] == ["sync", "max_staleness=1", "max_staleness=1 + partial"]
-    assert cells[6][0] == "50%/25%/25%"  # lags 2 and 3 pooled as 2+
+    assert cells[7][0] == "50%/25%/25%"  # lags 2 and 3 pooled as 2+
+    # seconds per 8 trained samples: a partial step that trained 16 in 3 s takes 1.5 s per 8
+    assert cells[3] == ["9.00", "5.00", "3.00"]
+    runs[2]["trained_samples_per_step"] = 16.0
+    assert speedups(runs, batch=8)["speedup_partial_vs_s1_per_batch"] == pytest.approx(5.0 / 1.5)
+    assert "speedup_partial_vs_s1_per_batch" not in speedups(runs)
     runs.append(dict(runs[2], config="max_staleness=1 + partial (drop)", period_median_s=1.0))
     assert speedups(runs)["speedup_partial_drop_vs_s1"] == 4.0
     res["workload"] = {"name": "slow-tools", "prompts_per_step": 4, "group_size": 2, "slow_s": 4.0, "fast_s": 0.05,
