@@ -11,12 +11,13 @@ The statistical checks use fixed seeds; each bound is Hoeffding's for independen
 (P(|mean - E| >= eps) <= 2 exp(-2 n eps^2)), sized in the test so that a false failure has probability < 1e-8.
 """
 import json
+import math
 
 import pytest
 import torch
 
-from ebpo.core.lev_objective import corrupt_blocks, lev_round, levenshtein_loss
-from ebpo.core.objectives import ObjectiveConfig
+from ebpo.core.lev_objective import block_labels, corrupt_blocks, lev_round, levenshtein_loss
+from ebpo.core.objectives import ObjectiveConfig, noisy_half_hidden
 
 MASK, DEL, INS = 2, 105, 106
 
@@ -186,3 +187,85 @@ def test_next_draft_builds_each_later_round_only(small_model, rounds):
         for _ in range(r):
             want = want.roll(1, -1).masked_scatter(~resp, want[~resp])
         assert torch.equal(d, want)
+
+
+def _plain_corrupt(clean, editable, K, rate, allowed, g):
+    """The module docstring's corruption rule in plain Python, reading the same draws as `corrupt_blocks` (drawn
+    in this order from the generator): per (row, block) 8 uniforms r (r[0]: how many corruptions, r[1 + 2c] and
+    r[2 + 2c]: the kind and place of corruption c), 2 picks of an allowed id, one mask coin per position and one
+    mask level per (row, block) (U[0, 1) halved)."""
+    B, L = clean.shape
+    nb = L // K
+    u = torch.rand(B, nb, 8, generator=g)
+    picks = torch.randint(0, len(allowed), (B, nb, 2), generator=g)
+    coins = torch.rand(B, L, generator=g)
+    level = torch.rand(B, nb, generator=g) * 0.5
+    out = clean.tolist()
+    for b in range(B):
+        for k in range(nb):
+            pos = [i for i in range(k * K, (k + 1) * K) if editable[b, i]]
+            if not pos:
+                continue
+            seg = [out[b][i] for i in pos]
+            r = u[b, k].tolist()
+            n_corrupt = (1 if r[0] < rate else 0) + (1 if r[0] < rate * rate else 0)
+            for c in range(n_corrupt):
+                kind = ("insert", "delete", "duplicate")[int(3 * r[1 + 2 * c])]
+                at = int(r[2 + 2 * c] * max(len(seg), 1))
+                if kind == "insert":
+                    seg = seg[:at] + [int(allowed[picks[b, k, c]])] + seg[at:]
+                elif kind == "delete" and seg:
+                    del seg[min(at, len(seg) - 1)]
+                elif kind == "duplicate" and seg:
+                    at = min(at, len(seg) - 1)
+                    seg = seg[:at + 1] + seg[at:]
+            seg = (seg + [MASK] * len(pos))[:len(pos)]
+            for i, t in zip(pos, seg):
+                out[b][i] = MASK if coins[b, i] < level[b, k] else t
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3, 0.7, 1.0])
+def test_corrupt_blocks_is_the_plain_rule(rate):
+    B, K, L = 40, 5, 20
+    clean = torch.arange(10, 10 + B * L).view(B, L)
+    editable = torch.zeros(B, L, dtype=torch.bool)
+    for b in range(B):
+        editable[b, b % (2 * K):] = True
+    allowed = torch.tensor([1000, 1001, 1002])
+    got = corrupt_blocks(clean, editable, K, MASK, rate, allowed, torch.Generator().manual_seed(5))
+    want = _plain_corrupt(clean, editable, K, rate, allowed, torch.Generator().manual_seed(5))
+    assert torch.equal(got, want)
+
+
+def test_lev_round_metrics_and_predictions_are_the_plain_counts(small_model):
+    """lev_deletes / lev_inserts: DELETE / INSERT labels at editable positions; lev_acc_edit: how many of them the
+    argmax (the [MASK] id excluded) predicts, NaN without any; predictions: that argmax at editable positions, the
+    draft elsewhere. The loss with one editable position is that position's cross-entropy (weight 1: a write)."""
+    model = small_model
+    K = model.config.block_size
+    clean = torch.arange(5, 5 + 3 * K).remainder(7).add(5)[None]
+    draft = torch.cat([clean[:, :K + 1], clean[:, K:-1]], 1)  # a duplicated token: DELETE, later INSERT/shifts
+    draft[0, 2] = MASK
+    editable = torch.ones_like(clean, dtype=torch.bool)
+    editable[0, :2] = False
+    labels = block_labels(draft, clean, K, MASK, DEL, INS)
+    with torch.no_grad():
+        raw = model.lm_head(noisy_half_hidden(model, draft, clean, K)).float()
+        logits = raw.clone()
+        logits[..., MASK] = float("-inf")  # predictions never write [MASK]; the loss is over every id
+        loss, m, pred = lev_round(model, model.lm_head, draft, clean, editable, K, MASK, DEL, INS, 0.5)
+    arg = logits.argmax(-1)
+    lab, ed = labels[0].tolist(), editable[0].tolist()
+    edits = [p for p in range(clean.shape[1]) if ed[p] and lab[p] in (DEL, INS)]
+    assert m["lev_deletes"] == sum(ed[p] and lab[p] == DEL for p in range(len(lab))) >= 1
+    assert m["lev_inserts"] == sum(ed[p] and lab[p] == INS for p in range(len(lab)))
+    assert m["lev_acc_edit"] == sum(int(arg[0, p]) == lab[p] for p in edits) / len(edits)
+    assert torch.equal(pred, torch.where(editable, arg, draft))
+    one = torch.zeros_like(editable)
+    one[0, 2] = True  # the [MASK]: its label is a token to write
+    with torch.no_grad():
+        l1, m1, _ = lev_round(model, model.lm_head, draft, clean, one, K, MASK, DEL, INS, 0.5)
+    ce = -raw[0, 2].log_softmax(-1)[lab[2]]
+    assert lab[2] not in (DEL, INS, MASK) and math.isnan(m1["lev_acc_edit"])
+    assert float(l1) == pytest.approx(float(ce), rel=1e-6)  # one fp32 log-softmax over V = 128: ~1e-6 relative
