@@ -172,3 +172,22 @@ def test_candidates_dispatch_to_the_kernel_only_when_asked_and_available(monkeyp
     monkeypatch.setattr(sampling, "_kernel_candidates", None)
     tok, prob = sampling.candidates(x)  # not available: the reference, no error
     assert torch.equal(tok, candidates_reference(x)[0])
+
+
+def test_candidates_are_the_same_under_a_float64_default_dtype():
+    """The penalty and the Gumbel noise are built in fp32 whatever torch's default dtype is, so a caller that
+    switched it to float64 gets the same draws and probabilities."""
+    x = _logits(B=2, K=4, V=9, seed=12)
+    sup = torch.randint(-1, 9, (2, 4), generator=torch.Generator().manual_seed(5))
+
+    def draw():
+        return candidates_reference(x, 0.7, 0, 1.0, [torch.Generator().manual_seed(s) for s in (1, 2)], sup, 1.5)
+
+    ref = draw()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = draw()
+    finally:
+        torch.set_default_dtype(old)
+    assert torch.equal(got[0], ref[0]) and got[1].dtype == torch.float32 and torch.equal(got[1], ref[1])
