@@ -44,6 +44,9 @@ class _Exit(BaseException):
 def judge_main(monkeypatch):
     """A control socket pair with the judge's end named in argv; the process state main changes restored."""
     ours, theirs = socket.socketpair()
+    # non-blocking: a main that waits for one message more than the test sent gets EAGAIN (an OSError, which
+    # ends it) instead of hanging; everything the test sends is queued before main starts
+    theirs.setblocking(False)
     monkeypatch.setattr(sys, "argv", ["judge", str(theirs.detach())])  # main owns (and closes) that end
     old = {s: signal.getsignal(s) for s in (signal.SIGCHLD, signal.SIGALRM)}
     limits = []
