@@ -5,7 +5,9 @@ an extra token, hidden tests, and synthetic trajectories that check a fix with t
 
 Each question shows a buggy one-line function (`Fix the bug: def add_3(x): return x + 3 + 3`); the fix
 is one token inserted or deleted, so a draft that copies the buggy line is off by a length change, the
-case DELETE / INSERT edits are for. Bug families (`FAMILIES`; the fix follows from the function's name):
+case DELETE / INSERT edits are for. Bug families (`FAMILIES`; the fix follows from the function's name;
+parameters are always `x`, `s, v` or `a, b`: the tiny model failed to copy random one-letter names, so
+the variety is in the names' stems and digits, which it copies):
 
   * `extra_add`: a repeated `+ k` (`add_3`: `x + 3 + 3` -> `x + 3`): delete;
   * `extra_mul`: a repeated `* k` (`scale_4`: `x * 4 * 4` -> `x * 4`): delete;
@@ -37,18 +39,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import string
 from pathlib import Path
 
 CALL = '<tool_call>{{"name":"run_tests","arguments":{{"code":"{code}"}}}}</tool_call>'
 FAMILIES = ("extra_add", "extra_mul", "extra_not", "drop_not", "drop_arg")
 PHRASES = ("Fix the bug: {buggy}", "Repair {name}: {buggy}")
-_LETTERS = string.ascii_lowercase
-
-
-def _two_letters(rng: random.Random) -> tuple[str, str]:
-    a, b = rng.sample(_LETTERS, 2)
-    return a, b
 
 
 def _list_tests(name: str, rng: random.Random, want_in: bool) -> list[str]:
@@ -62,27 +57,27 @@ def make_problem(family: str, rng: random.Random) -> dict:
     """One problem of `family`: {"name", "buggy", "fixed", "tests", "bug"} (one-line functions)."""
     if family in ("extra_add", "extra_mul"):
         op, k = ("+", rng.randint(1, 9)) if family == "extra_add" else ("*", rng.randint(2, 9))
-        stem = rng.choice(("add", "plus", "inc") if op == "+" else ("scale", "times", "mul"))
-        name, x = f"{stem}_{k}", rng.choice(_LETTERS)
+        stem = rng.choice(("add", "plus", "inc", "up") if op == "+" else ("scale", "times", "mul", "grow"))
+        name, x = f"{stem}_{k}", "x"
         head = f"def {name}({x}): return {x} {op} {k}"
         xs = rng.sample(range(1, 20), 2)
         tests = [f"assert {name}({v}) == {v + k if op == '+' else v * k}" for v in xs]
         return {"name": name, "buggy": f"{head} {op} {k}", "fixed": head, "tests": tests, "bug": family}
     if family in ("extra_not", "drop_not"):
-        s, v = _two_letters(rng)
+        s, v, d = "s", "v", rng.randint(1, 9)
         if family == "extra_not":
-            name = rng.choice(("has", "holds", "contains", "includes"))
+            name = f'{rng.choice(("has", "holds", "contains", "includes"))}_{d}'
             good, bad = f"{v} in {s}", f"{v} not in {s}"
         else:
-            name = rng.choice(("lacks", "misses", "excludes", "omits"))
+            name = f'{rng.choice(("lacks", "misses", "excludes", "omits"))}_{d}'
             good, bad = f"{v} not in {s}", f"{v} in {s}"
         head = f"def {name}({s}, {v}): return "
         return {"name": name, "buggy": head + bad, "fixed": head + good,
                 "tests": _list_tests(name, rng, family == "extra_not"), "bug": family}
     if family == "drop_arg":
         fn = rng.choice(("max", "min"))
-        name = rng.choice(("bigger", "larger", "top") if fn == "max" else ("smaller", "lower", "least"))
-        a, b = _two_letters(rng)
+        stem = rng.choice(("bigger", "larger", "top") if fn == "max" else ("smaller", "lower", "least"))
+        name, a, b = f"{stem}_{rng.randint(1, 9)}", "a", "b"
         head = f"def {name}({a}, {b}): return {fn}({a}"
         p, q = rng.sample(range(1, 20), 2)
         tests = [f"assert {name}({p}, {q}) == {max(p, q) if fn == 'max' else min(p, q)}",
@@ -135,7 +130,7 @@ def buggy_passes(problem: dict) -> int:
     return n
 
 
-def generate(out: str | Path, seed: int = 0, n_train: int = 6000, n_eval: int = 200,
+def generate(out: str | Path, seed: int = 0, n_train: int = 6000, n_eval: int = 50,
              mix: tuple[float, ...] = (0.6, 0.15, 0.1, 0.15),
              mix_repair: tuple[float, ...] = (0.25, 0.15, 0.1, 0.5)) -> None:
     """Write code_repair_train.jsonl and code_repair_eval.jsonl under `out` (byte-identical for a seed).
@@ -174,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="examples/data")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-train", type=int, default=6000)
-    ap.add_argument("--n-eval", type=int, default=200)
+    ap.add_argument("--n-eval", type=int, default=50)
     ap.add_argument("--mix", default="0.6,0.15,0.1,0.15",
                     help="`Fix the bug:` questions: fractions of good, bad, retry and no-tool trajectories")
     ap.add_argument("--mix-repair", default="0.25,0.15,0.1,0.5",
