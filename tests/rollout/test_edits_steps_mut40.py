@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollout.edits import EditCounts, edit_counts, edit_metrics
-from rollout.steps import StepResult, block_done, first_eos, mbe_edit_set
+from rollout.steps import StepResult, block_done, block_step, first_eos, mbe_edit_set
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -85,3 +85,30 @@ def test_block_done_matches_a_plain_loop(early_commit, editing):
             filled = [float(prob[b, k]) for k in range(K) if m2t[b, k]]
             d = d or (bool(had[b]) and full and not edited and all(q > early_commit for q in filled))
         assert int(post[b]) == p and bool(done[b]) == d
+
+
+@pytest.mark.parametrize("K", [8, 32])
+@pytest.mark.parametrize("ntt", [1, 2])
+def test_block_step_counts_and_tied_fallback_match_a_plain_loop(K, ntt):
+    """Per row: the masks at the start (prompt positions excluded, even where the prompt holds the mask id), the
+    masks left after the write, and the M2T fallback among tied confidences taking the earliest positions
+    (K = 32, the released block size, is where an unstable sort reorders ties)."""
+    MASK = 2
+    g = torch.Generator().manual_seed(K + ntt)
+    B = 64
+    cur = torch.randint(3, 6, (B, K), generator=g)
+    cur[torch.rand(B, K, generator=g) < 0.6] = MASK
+    cur[::7] = 4  # rows without a mask
+    tok = torch.randint(3, 6, (B, K), generator=g)
+    prob = torch.tensor([0.2, 0.4])[torch.randint(0, 2, (B, K), generator=g)]  # all below tau_mask: the fallback
+    protected = torch.arange(K)[None] < torch.randint(0, 5, (B, 1), generator=g)
+    res = block_step(tok, prob, cur, protected, MASK, tau_mask=0.9, tau_edit=None, num_to_transfer=ntt)
+    for b in range(B):
+        masks = [k for k in range(K) if cur[b, k] == MASK and not protected[b, k]]
+        chosen = sorted(masks, key=lambda k: -float(prob[b, k]))[:ntt]  # Python's sort is stable: ties by index
+        new = [int(tok[b, k]) if k in chosen else int(cur[b, k]) for k in range(K)]
+        assert res.m2t[b].nonzero().flatten().tolist() == sorted(chosen)
+        assert res.new[b].tolist() == new
+        assert bool(res.had_masks[b]) == bool(masks)
+        assert int(res.masks_left[b]) == sum(1 for k in range(K) if new[k] == MASK and not protected[b, k])
+    assert res.had_masks.shape == (B,) and res.masks_left.shape == (B,)
