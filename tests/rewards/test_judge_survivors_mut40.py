@@ -10,8 +10,8 @@ rewards/_harness.py's docstring), or by a variant of it that breaks one rule of 
 * a stdio start carries the test's index and budget; a harness status is cut to 40 characters, a verdict's why
   to 60; a capture test that did not run has the empty string as its value;
 * a test's deadline repeats quickly after test code catches it (the test is over in about its timeout);
-* the harness's records are read up to max_output_bytes + 4096 bytes a line; the buffer of a line cut off is
-  dropped, so the next test reads clean lines; a channel closed by the harness is `died`;
+* the harness's records are read up to max_output_bytes + 4096 bytes a line, one byte more is `output_limit`;
+  the test after it still reads its own answers; a channel closed by the harness is `died`;
 * requests are numbered afresh: a stale answer to an earlier request is never taken for a later one;
 * self-contained tests go to the harness in runs, ahead of their verdicts; one started ahead is judged on the
   harness's answer even after the sample's total ran out before its turn; one never started is reported
@@ -102,7 +102,7 @@ def _sized(size, name):
     return Sized
 
 
-def test_a_line_is_read_up_to_the_output_bound_plus_4096_and_a_cut_line_leaves_nothing_behind(monkeypatch):
+def test_a_line_is_read_up_to_the_output_bound_plus_4096_and_the_next_test_still_reads_its_answers(monkeypatch):
     import test_judge_inprocess_40 as H
     bound = 3000
     tests = [_call_spec(["f"], src="assert f() == 'x'"), _call_spec(["g"], src="assert g() == 2")]
