@@ -25,6 +25,9 @@ SHIPPED_MODELS = {
     # tiny-sft fine-tuned on reasoning-gym's basic_arithmetic questions with worked answers
     # (recipes/sft_tiny_reasoning_gym.yaml): the reasoning-gym RL recipe's starting point
     "tiny-sft-rg": ASSETS / "tiny-sft-rg",
+    # tiny-agent fine-tuned, with Levenshtein rounds (DELETE / INSERT named), on code-repair trajectories with the
+    # run_tests tool (recipes/sft_tiny_code_agent.yaml): the LLaDA2.2 agent quickstart's starting point
+    "tiny-code-agent": ASSETS / "tiny-code-agent",
 }
 
 
