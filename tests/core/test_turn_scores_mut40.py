@@ -9,7 +9,8 @@ model first. Each rule is checked against a plain reading of the module docstrin
   the draws are draw_noise's on the turn-aligned response mask with the n_draws, t_min, t_max and seed asked
   (defaults 4, 0.1, 1.0, 0), a generator passed wins over the seed; n_turns counts the model turns (0 for a row
   without one), per_turn has max(1, most turns) columns, zero where a row has no such turn; mean() averages the
-  draws; the model's pad id pads (the mask id when it has none).
+  draws; the model's pad id pads (the mask id when it has none); a model turn sharing a block with what follows
+  it is refused.
 """
 import pytest
 import torch
@@ -162,3 +163,11 @@ def test_the_model_s_pad_id_pads_or_the_mask_id_without_one(model):
                                    both.per_turn[0])  # the padding is visible: the check above can tell
     finally:
         model.config.pad_token_id = old
+
+
+def test_a_turn_sharing_a_block_with_what_follows_it_is_refused(model):
+    """Step 2 of the recipe: a block holding a model turn and anything after it would let the turn see its
+    future; score_turns refuses it rather than scoring it."""
+    leaky = layout_segments([([5, 6, 7], False), ([8, 9], True), ([10, 11], False)], 1, 7)  # no block alignment
+    with pytest.raises(ValueError, match="later segment"):
+        score_turns(model, [leaky])
