@@ -3,8 +3,11 @@
 * `response_mask_from_ids`: response = prompt end up to and including the first EOS at or after the prompt, cut at
   `seq_lens` when given; bad shapes refused with messages naming the argument;
 * `NoiseDraws`: `scored()` is masked | substituted; `rows` / `take` are the plain slices of every field (t cut to
-  whole blocks); `take` refuses a length that is not a whole number of blocks;
-* `draw_noise`: its bounds refused with messages naming them.
+  whole blocks; a length >= L is everything); `take` refuses a length that is not a whole number of blocks;
+* `draw_noise`: its bounds refused with messages naming them; `turn_response_mask`: its message says the fix;
+* `per_turn_composites`: any per-block values split by the turn each block holds, context blocks to no turn;
+* `direct_backward` / `replay_backward`: (loss, metrics, C) or, with return_blocks, (C, blocks); replaying in
+  chunks of draws gives the direct gradient.
 """
 import copy
 import random
