@@ -212,3 +212,54 @@ def test_replay_in_chunks_of_draws_gives_the_direct_gradient(small_model, replay
             n += 1
             assert torch.allclose(p1.grad, p2.grad, rtol=1e-3, atol=1e-6), name
     assert n > 10
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, H=16, V=40, bias=False, dtype=torch.float32):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.head = torch.nn.Linear(H, V, bias=bias).to(dtype)
+            if bias:
+                torch.nn.init.normal_(self.head.bias, std=3.0)  # large enough that leaving it out shows
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def _plain_logprobs(model, hidden, targets):
+    """float64 log-softmax of the head's (fp32-valued) weight and bias at the targets."""
+    head = model.get_output_embeddings()
+    z = hidden.double() @ head.weight.double().t()
+    if head.bias is not None:
+        z = z + head.bias.double()
+    return z.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("bias,dtype,kernel", [(True, torch.float32, True), (False, torch.bfloat16, True),
+                                               (False, torch.float32, False), (True, torch.bfloat16, False)])
+def test_gathered_logprobs_is_the_fp32_log_softmax_of_the_head(monkeypatch, bias, dtype, kernel):
+    """With or without a bias, with bf16 or fp32 head weights, with or without the fused kernel: fp32 log-probs of
+    the head's own weights (bf16 ones read as fp32). fp32 logits are sums of H = 16 terms of size ~1 and the
+    log-softmax sums V = 40: errors of a few 1e-6; 1e-4 is well above them and well below leaving out the bias
+    (std 3) or rounding the hidden rows to bf16 (~1e-2)."""
+    import ebpo.core.likelihood as lik
+
+    if not kernel:
+        monkeypatch.setattr(lik, "_kernel_token_logprobs", lambda: None)
+    model = _Head(bias=bias, dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(23, 16, generator=g)
+    targets = torch.randint(0, 40, (23,), generator=g)
+    got = lik.gathered_logprobs(model, hidden, targets)
+    assert got.dtype == torch.float32 and got.shape == (23,)
+    assert torch.allclose(got.double(), _plain_logprobs(model, hidden, targets), rtol=0, atol=1e-4)
+
+
+def test_the_kernel_is_optional(monkeypatch):
+    import sys
+
+    import ebpo.core.likelihood as lik
+
+    monkeypatch.setitem(sys.modules, "kernels.logprobs", None)  # the import fails
+    assert lik._kernel_token_logprobs() is None
