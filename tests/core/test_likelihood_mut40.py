@@ -263,3 +263,22 @@ def test_the_kernel_is_optional(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "kernels.logprobs", None)  # the import fails
     assert lik._kernel_token_logprobs() is None
+
+
+@pytest.mark.parametrize("dtype,grad", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_gathered_logprobs_through_the_head_module_runs_it_in_its_own_dtype(monkeypatch, dtype, grad):
+    """use_module_head=True: the hidden rows are cast to the head's dtype, the module computes, and the log-probs
+    come back fp32 with shape (M,), in one call or (with grad, M above the chunk) in chunks. bf16 logits of
+    |z| ~ 3 carry errors ~ 2^-8 * 3 ~ 1e-2 after rounding the rows and weights: 0.1 bounds them (fp32: 1e-4)."""
+    import ebpo.core.likelihood as lik
+
+    monkeypatch.setattr(lik, "MODULE_HEAD_CHUNK", 7)
+    model = _Head(dtype=dtype)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(23, 16, generator=g, requires_grad=grad)
+    targets = torch.randint(0, 40, (23,), generator=g)
+    with torch.set_grad_enabled(grad):
+        got = lik.gathered_logprobs(model, hidden, targets, use_module_head=True)
+    assert got.dtype == torch.float32 and got.shape == (23,)
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert torch.allclose(got.detach().double(), _plain_logprobs(model, hidden.detach(), targets), rtol=0, atol=tol)
