@@ -58,12 +58,25 @@ def _cfg(lev, seed):
 def test_apply_block_steps_matches_the_step_functions_row_by_row(lev, seed):
     """Seeds 8-15: few masks and confident candidates, so that blocks fill up in this step (the block-end rule's
     editing and early-commit branches then decide)."""
+    _check_block_steps(lev, seed, _cfg(lev, seed), filling=seed >= 8)
+
+
+@pytest.mark.parametrize("lev", [False, True])
+@pytest.mark.parametrize("early_commit", [0.6, 0.9, 0.97])
+@pytest.mark.parametrize("seed", range(6))
+def test_early_commit_ends_a_block_that_fills_up_surely(lev, early_commit, seed):
+    """Editing on but no candidate confident enough to edit (tau_edit 0.99), post-steps wanted: a block that fills
+    up in this step ends only through early commit, when every token it filled has prob > early_commit."""
+    kw = dict(tau_delete=0.99, tau_insert=0.99) if lev else {}
+    cfg = DecodeConfig.preset("quality", tau_edit=0.99, early_commit=early_commit, max_post_steps=2, **kw)
+    _check_block_steps(lev, 100 + seed, cfg, filling=True)
+
+
+def _check_block_steps(lev, seed, cfg, filling):
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    filling = seed >= 8
     st = _state(rng, g, 0.2 if filling else 0.5)
     seqs = _seqs(rng, rng.randint(1, B))
     results = _candidates(g, len(seqs), (0.5, 0.95, 0.95, 0.95) if filling else (0.1, 0.5, 0.7, 0.95))
-    cfg = _cfg(lev, seed)
     before = SlotTensors(*(t.clone() for t in (st.canvas, st.trace, st.post_steps, st.block_iters)))
     old = [(s.forwards, s.turn_forwards, s.edits, list(s.edit_log)) for s in seqs]
     old_ops = [(s.deletes, s.inserts) for s in seqs]
