@@ -41,7 +41,7 @@ def mbe_window_loss(model, lm_head, clean: torch.Tensor, response_mask: torch.Te
     Returns (loss scalar, metrics {loss/mbe_restore, loss/mbe_keep, acc/mbe_restore, mbe/shift}).
     """
     B, L = clean.shape
-    shift = int(torch.randint(0, window + 1, (1,), generator=generator))
+    shift = int(torch.randint(0, window + 1, (1,), generator=generator, device=generator.device))
     noisy, sub = t2t_substitute(clean.cpu(), response_mask.cpu(), rate, allowed_ids, generator)
     noisy, sub = noisy.to(clean.device), sub.to(clean.device)
     keep_pos = response_mask & ~sub

@@ -68,13 +68,13 @@ def t2t_substitute(tokens: torch.Tensor, candidates: torch.Tensor, rate: float, 
     A = allowed_ids.numel()
     if A < 2:
         raise ValueError("t2t substitution needs at least two allowed token ids")
-    sub = (torch.rand(tokens.shape, generator=generator) < rate) & candidates
+    sub = (torch.rand(tokens.shape, generator=generator, device=generator.device) < rate) & candidates
     # index of the original among the allowed ids (A when absent)
     pos = torch.searchsorted(allowed_ids, tokens).clamp(max=A - 1)
     present = allowed_ids[pos] == tokens
     pos = torch.where(present, pos, torch.full_like(pos, A))
     # draw from A-1 slots skipping the original's slot when present, from all A slots otherwise
-    r = torch.rand(tokens.shape, generator=generator)
+    r = torch.rand(tokens.shape, generator=generator, device=generator.device)
     n_choices = torch.where(present, torch.full_like(pos, A - 1), torch.full_like(pos, A))
     j = (r * n_choices).long().clamp(max=A - 1)
     j = j + (present & (j >= pos)).long()

@@ -44,3 +44,21 @@ def test_mbe_loss_equals_a_plain_computation():
         kept += ce[resp[i] & ~sub[i]].tolist()
     want = sum(restore) / len(restore) + 0.5 * sum(kept) / len(kept)
     assert abs(float(loss) - want) < 1e-4, (float(loss), want)
+
+
+def test_mbe_loss_draws_its_shift_on_the_generators_device_whatever_the_default_device():
+    """The shift is drawn with the caller's generator on that generator's device: a run whose default device is
+    another one (here `meta`, which has no generator at all) gives the same loss as one on the CPU default."""
+    torch.manual_seed(0)
+    model = LLaDA2MoeModelLM(tiny_config(num_hidden_layers=2, block_size=2)).eval()
+    clean = torch.randint(8, 60, (2, 8))
+    resp = torch.zeros(2, 8, dtype=torch.bool)
+    resp[:, 2:] = True
+    allowed = substitution_ids(model.config.vocab_size, [0, 2])
+    kw = dict(block_size=2, window=1, rate=0.4, keep_weight=0.5, allowed_ids=allowed)
+    want, m_want = mbe_window_loss(model, model.lm_head, clean, resp, generator=torch.Generator().manual_seed(3), **kw)
+    with torch.device("meta"):
+        got, m_got = mbe_window_loss(model, model.lm_head, clean, resp, generator=torch.Generator("cpu").manual_seed(3),
+                                     **kw)
+    assert got.device.type == "cpu" and m_got["mbe/shift"] == m_want["mbe/shift"]
+    assert float(got) == float(want)
