@@ -282,3 +282,21 @@ def test_gathered_logprobs_through_the_head_module_runs_it_in_its_own_dtype(monk
     assert got.dtype == torch.float32 and got.shape == (23,)
     tol = 1e-4 if dtype == torch.float32 else 0.1
     assert torch.allclose(got.detach().double(), _plain_logprobs(model, hidden.detach(), targets), rtol=0, atol=tol)
+
+
+def test_draws_mask_and_force_independently_of_each_other():
+    """Each draw has its own coins and its own forced-token choice. Two draws at t = 0.5 (t_min = t_max) with
+    K = 16 response tokens: a token is masked in both with probability 1/4 (1/2 if the draws shared their coins;
+    forcing, at 2^-16, is negligible). Two draws at t = 0.01 with m = 4 response tokens: a block is forced (nothing
+    masked, probability 0.96) in both, and its one masked token is the same in both with probability 1/4 (1 if
+    they shared the choice). Per row the fractions lie in [0, 1]; Hoeffding over 2000 rows (about 1840 in the
+    second case) with eps = 0.1 bounds a false failure by 2 exp(-36) < 1e-15."""
+    g = torch.Generator().manual_seed(7)
+    nz = draw_noise(torch.ones(2000, 16, dtype=torch.bool), 16, 2, 0.5, 0.5, g)
+    both = (nz.masked[0] & nz.masked[1]).float().mean(-1)
+    assert abs(both.mean().item() - 0.25) < 0.1
+    nz = draw_noise(torch.ones(2000, 4, dtype=torch.bool), 4, 2, 0.01, 0.01, g)
+    single = nz.masked.sum(-1) == 1  # (2, B)
+    rows = single[0] & single[1]
+    same = (nz.masked[0] & nz.masked[1]).any(-1)[rows].float()
+    assert rows.sum() > 1500 and abs(same.mean().item() - 0.25) < 0.1
