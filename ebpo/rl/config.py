@@ -133,10 +133,10 @@ class TrainerConfig:
                                  "newer weights, every block recording the version that decoded it, and the learner "
                                  "takes each block's behaviour term from that version (docs/rl.md, Partial "
                                  "rollouts). Works with max_staleness 0 and > 0, single- and multi-turn", False)
-    partial_max_lag: Optional[int] = doc("partial rollouts: a group holding a sequence whose oldest block would be "
-                                         "more than this many versions behind the learner that trains it is dropped "
-                                         "and counted (partial/dropped); the learner keeps this many weight versions. "
-                                         "null = max_staleness + 1", None)
+    partial_max_lag: Optional[int] = doc("partial rollouts: no trained block is more than this many versions behind "
+                                         "the learner that trains it (a group about to pass it is waited for or "
+                                         "dropped, trainer.partial_overdue); the learner keeps this many weight "
+                                         "versions. null = max_staleness + 1", None)
     partial_overdue: str = doc("partial rollouts: what becomes of a group that would pass partial_max_lag at the "
                                "next step: wait (this step also waits for it to finish and trains it, beyond "
                                "prompts_per_step: nothing is thrown away) or drop (it carries over and the next step "
