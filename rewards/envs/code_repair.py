@@ -25,7 +25,8 @@ def tool_result(passed: int, total: int) -> str:
 
 
 class CodeRepairEnv(ToolEnv):
-    """A `ToolEnv` with one tool, `run_tests(code)`, over the row's hidden `tests` (assert strings).
+    """A `ToolEnv` with one tool, `run_tests(code)`, over the row's hidden `tests` (assert strings); the built-in
+    environment `code_repair` (the class is its factory: env.kwargs are these arguments).
 
     test_timeout_s / total_timeout_s: the judge's per-test and per-call limits (a candidate that hangs is a
     failed test after test_timeout_s); sandbox: the `rewards.sandbox` mode ("auto": the strongest available).
@@ -88,9 +89,3 @@ class CodeRepairEnv(ToolEnv):
                 out.info["verdict"] = self._passed
         return out
 
-
-def code_repair_env(max_turns: int = 3, test_timeout_s: float = 1.0, total_timeout_s: float = 5.0,
-                    sandbox: str = "auto") -> CodeRepairEnv:
-    """A `CodeRepairEnv` (the built-in environment `code_repair`)."""
-    return CodeRepairEnv(max_turns=max_turns, test_timeout_s=test_timeout_s, total_timeout_s=total_timeout_s,
-                         sandbox=sandbox)

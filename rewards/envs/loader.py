@@ -10,7 +10,7 @@ from typing import Callable
 from rewards.loader import RewardLoadError, import_reference
 
 BUILTIN_ENVS = {"calculator": "rewards.envs.calculator:calculator_env",
-                "code_repair": "rewards.envs.code_repair:code_repair_env"}
+                "code_repair": "rewards.envs.code_repair:CodeRepairEnv"}
 
 
 class EnvLoadError(RewardLoadError):

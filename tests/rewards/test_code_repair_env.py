@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rewards.envs import load_environment, make_environment
-from rewards.envs.code_repair import CodeRepairEnv, code_repair_env, tool_result
+from rewards.envs.code_repair import CodeRepairEnv, tool_result
 from rewards.sandbox import Limits, mode_works, wall_bound_s
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def _call(code: str) -> str:
 
 def _episode(turns: list[str], row: dict = ROW, **kw) -> tuple[float, list]:
     """Play `turns` against a fresh environment; returns (summed reward, the step results)."""
-    env = code_repair_env(**kw)
+    env = CodeRepairEnv(**kw)
     env.reset(row)
     total, steps = 0.0, []
     for t in turns:
@@ -97,7 +97,7 @@ def test_a_call_outliving_its_trajectory_records_nothing(monkeypatch):
         return RewardResult(1.0, {"passed": 2, "total": 2})
 
     monkeypatch.setattr(cr, "code_reward", slow_pass)
-    env = code_repair_env()
+    env = CodeRepairEnv()
     env.reset(ROW)
     t = threading.Thread(target=env.run_tests, args=(FIXED,))
     t.start()
@@ -127,7 +127,7 @@ def test_the_verdict_cannot_be_faked_by_text():
 def test_no_final_turn_scores_zero_and_reset_forgets():
     reward, steps = _episode([_call(FIXED), _call(FIXED)], max_turns=2)
     assert steps[-1].done and reward == 0.0  # the turns ran out before a final answer
-    env = code_repair_env()
+    env = CodeRepairEnv()
     env.reset(ROW)
     env.step(_call(FIXED))
     env.reset(ROW)  # a new trajectory starts with no verdict
@@ -135,7 +135,7 @@ def test_no_final_turn_scores_zero_and_reset_forgets():
 
 
 def test_registered_and_specs():
-    assert load_environment("code_repair") is code_repair_env
+    assert load_environment("code_repair") is CodeRepairEnv
     env = make_environment("code_repair", {"max_turns": 2})
     assert isinstance(env, CodeRepairEnv) and env.max_turns == 2
     (spec,) = env.specs
@@ -182,7 +182,7 @@ def test_generated_good_trajectories_score_one_in_the_env(tmp_path):
     gen.generate(tmp_path, n_train=8, n_eval=5)
     rows = [json.loads(x) for x in (tmp_path / "code_repair_train.jsonl").read_text().splitlines()]
     for r in rows:
-        env = code_repair_env()
+        env = CodeRepairEnv()
         env.reset(r)
         msgs, reward = r["messages"], 0.0
         for i, m in enumerate(msgs):
