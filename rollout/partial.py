@@ -124,6 +124,7 @@ class PartialRollouts:
         for tag, n in counts.items():
             if n == self.group_sizes.get(tag):
                 complete.append(tag)
+        waiting = set(due) - set(complete)  # overdue groups not yet complete
 
         def enough() -> bool:
             for s in engine.sequences:
@@ -133,7 +134,8 @@ class PartialRollouts:
                     counts[s.tag] = counts.get(s.tag, 0) + 1
                     if counts[s.tag] == self.group_sizes[s.tag]:
                         complete.append(s.tag)
-            return len(complete) >= quota and due <= set(complete)
+                        waiting.discard(s.tag)
+            return len(complete) >= quota and not waiting
 
         engine.run_until(enough)
         enough()
