@@ -1,22 +1,27 @@
-"""`ebpo bench partial`: wall time per RL step on a long-tailed workload, in one run, for three loops:
-synchronous (`trainer.max_staleness=0`), asynchronous (`max_staleness=1`), and asynchronous with partial
-rollouts (`max_staleness=1`, `trainer.partial_rollouts=true`).
+"""`ebpo bench partial`: wall time per RL step, in one run, for the loops side by side: synchronous
+(`trainer.max_staleness=0`), asynchronous (`max_staleness=1`), asynchronous with partial rollouts
+(`trainer.partial_rollouts=true`, waiting for overdue groups), and the same dropping them
+(`trainer.partial_overdue=drop`, not run by default).
 
-    ebpo bench partial                                   # 3 configurations x 6 measured steps x 2 rounds
+    ebpo bench partial                                   # long-tail workload, 3 configurations x 6 steps x 2 rounds
+    ebpo bench partial --workload slow-tools --slow-s 6  # the agent recipe with tools slow in some episodes
     ebpo bench partial --steps 8 --rounds 1              # one round: A B C
     ebpo bench partial --json docs/bench/partial_cpu.json   # also a PNG of the step times next to it
 
-Workload (single turn): the tiny random model with its EOS logit raised (`eos_model`, written to a temporary
-folder), sampled at temperature 1, so that response lengths are long-tailed up to `--max-new-tokens`. Without
-partial rollouts a step's rollout waits for the longest of its prompts_per_step x group_size sequences. With
-them, a step trains on the first prompts_per_step groups to finish, while `trainer.partial_extra_groups` more
-keep decoding and carry over, at a block boundary, under the newer weights.
+Long-tail workload (single turn): the tiny random model with its EOS logit raised (`eos_model`, written to a
+temporary folder), sampled at temperature 1, so that response lengths are long-tailed up to `--max-new-tokens`.
+Slow-tools workload (multi-turn): `--recipe` with the calculator of `ebpo.bench.slow_tools`, whose tool calls take
+`--slow-s` in a `--slow-share` of the episodes. Without partial rollouts a step's rollout waits for the longest
+of its prompts_per_step x group_size sequences. With them, a step trains on the first prompts_per_step groups to
+finish, while `trainer.partial_extra_groups` more keep decoding and carry over, at a block boundary, under the
+newer weights.
 
 Per configuration: seconds per step between the loop's per-step logs (median and mean; step 1, which pays
-start-up, is left out), trained response tokens per second of wall time, the share of trained tokens decoded
-in an earlier step (`partial/carried_token_share`, weighted by the step's tokens), the staleness distribution
-(share of trained samples whose oldest block is k weight versions behind the learner, from `version_log`) and
-the groups dropped for lag (`partial/dropped`, sequences).
+start-up, is left out), seconds per prompts_per_step x group_size trained samples (equal work), trained
+response tokens per second of wall time, the share of trained tokens decoded in an earlier step
+(`partial/carried_token_share`, weighted by the step's tokens), the staleness distribution (share of trained
+samples whose oldest block is k weight versions behind the learner, from `version_log`), the groups dropped
+for lag (`partial/dropped`, sequences) and the tool seconds per trained episode.
 """
 from __future__ import annotations
 
@@ -112,17 +117,16 @@ def summarize(name: str, periods: list[float], history: list[dict], version_log:
             "response_length_max": max(h.get("response_length/max", 0.0) for h in later)}
 
 
-def run_config(name: str, base: list[str], steps: int, run_root: str) -> dict:
-    """`steps` RL steps of the workload (`base` overrides) under configuration `name`; its summary row."""
+def run_config(name: str, recipe: str | None, base: list[str], steps: int, run_root: str) -> dict:
+    """`steps` RL steps of the workload (`recipe`, None for none, and its `base` overrides) under configuration
+    `name`; its summary row."""
     from ebpo.bench.agent_rl import fit_with_step_stamps
     from ebpo.infra.config import load_config
     from ebpo.rl.config import RLConfig
     from ebpo.rl.trainer import make_loop
 
     run_dir = tempfile.mkdtemp(prefix="run-", dir=run_root)
-    recipe = base[0].removeprefix("--recipe=")  # the workload's recipe ("-": none)
-    cfg = load_config(RLConfig, None if recipe == "-" else recipe,
-                      [*base[1:], *CONFIGS[name], f"trainer.steps={steps}", f"trainer.run_dir={run_dir}"])
+    cfg = load_config(RLConfig, recipe, [*base, *CONFIGS[name], f"trainer.steps={steps}", f"trainer.run_dir={run_dir}"])
     history, stamps, version_log = fit_with_step_stamps(make_loop(cfg))
     return summarize(name, step_periods(stamps), history, version_log, first_step=2)
 
@@ -229,7 +233,7 @@ def common(a) -> list[str]:
 def workload(a, model: str, data: Path, reward: Path) -> list[str]:
     """The overrides every configuration shares: the long-tail workload (module docstring)."""
     decode = (f"{{max_new_tokens: {a.max_new_tokens}, temperature: 1.0, max_batch: {a.max_batch}}}")
-    return ["--recipe=-", f"model={model}", f"data.train={data}", f"reward.fns=[{{fn: '{reward}:score'}}]",
+    return [f"model={model}", f"data.train={data}", f"reward.fns=[{{fn: '{reward}:score'}}]",
             f"rollout.decode={decode}", *common(a), *a.set]
 
 
@@ -237,7 +241,7 @@ def slow_tool_workload(a) -> list[str]:
     """The overrides every configuration shares: the slow-tool workload (module docstring)."""
     env = (f"{{max_turns: 3, timeout_s: 2.0, slow_s: {a.slow_s}, fast_s: {a.fast_s}, "
            f"slow_share: {a.slow_share}}}")
-    return [f"--recipe={a.recipe}", "env.name=ebpo.bench.slow_tools:slow_calculator", f"env.kwargs={env}",
+    return ["env.name=ebpo.bench.slow_tools:slow_calculator", f"env.kwargs={env}",
             "env.turns.max_workers=256", f"rollout.decode={{temperature: 1.0, max_batch: {a.max_batch}}}",
             *common(a), *a.set]
 
@@ -283,17 +287,17 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("WANDB_MODE", "offline")
     root = tempfile.mkdtemp(prefix="ebpo-bench-partial-")
     if a.workload == "long-tail":
-        base = workload(a, eos_model(os.path.join(root, "eos_model"), a.eos_boost), *write_data(Path(root)))
+        recipe, base = None, workload(a, eos_model(os.path.join(root, "eos_model"), a.eos_boost), *write_data(Path(root)))
         described = {"model": f"preset:tiny@0, EOS logit +{a.eos_boost:g}", "max_new_tokens": a.max_new_tokens}
     else:
-        base = slow_tool_workload(a)
+        recipe, base = a.recipe, slow_tool_workload(a)
         described = {"recipe": a.recipe, "slow_s": a.slow_s, "fast_s": a.fast_s, "slow_share": a.slow_share}
     load = [os.getloadavg()[0]]
     t0 = time.perf_counter()
     rows: dict[str, list[dict]] = {name: [] for name in names}
     for _ in range(a.rounds):
         for name in names:
-            rows[name].append(run_config(name, base, a.steps + 1, root))
+            rows[name].append(run_config(name, recipe, base, a.steps + 1, root))
             load.append(os.getloadavg()[0])
     runs = [merge(rows[name]) for name in names]
     res = {"bench": "partial", "machine": platform.machine(), "cpus": os.cpu_count(), "steps": a.steps,
