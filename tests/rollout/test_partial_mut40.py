@@ -1,0 +1,327 @@
+"""Partial rollouts (`rollout.partial`) against a plain-Python model of their documented rules, on the stub model
+of stub_model_mt40.py (milliseconds per call; issue 40's mutation target).
+
+The reference `RefPartial` keeps the same state as `PartialRollouts` by hand: sequences at block boundaries
+carried across calls, each block decoded whole under the version of the call that started it (the stub's
+tokens are the rule applied under that version), slots given first-in-first-out to the lowest free index, a
+group complete when its last member finishes, the first `quota` groups to complete returned (in completion
+order), then every overdue group (`due_version`) beyond them, groups with an older block than `min_version`
+dropped at the start of a call. With editing on (the quality preset) a block takes two forwards, its fill and
+its confirming post-step, so a stop in the middle of a block (the drain) is exercised; with m2t it takes one.
+"""
+import pickle
+
+import pytest
+
+from rollout.config import DecodeConfig
+from rollout.partial import CollectStats, NewSequence, PartialRollouts, close_env, decoded_tokens
+from rollout.sequence import Sequence
+from stub_model_mt40 import EOS, K, MASK, Rule, StubLM, ctx_of
+
+RULE = Rule(a=5, b=3, c=1, eos=9, mod=97)
+
+
+class RefSeq:
+    def __init__(self, prompt, tag, max_new):
+        self.prompt, self.tag, self.max_new = list(prompt), tag, max_new
+        P = len(prompt)
+        self.nb = -(-(P + max_new) // K)
+        self.canvas = self.prompt + [MASK] * (self.nb * K - P)
+        self.block, self.phase, self.versions = P // K, 0, {}
+        self.status = "queued"  # queued, active, finished
+
+    def oldest(self):
+        return min(self.versions.values()) if self.versions else None
+
+    def gen_tokens(self, blocks):
+        P = len(self.prompt)
+        return sum(P <= i < P + self.max_new for b in blocks for i in range(b * K, (b + 1) * K))
+
+    def forward(self, version, forwards_per_block):
+        """One forward of the active block; True when the sequence finished with it."""
+        b = self.block
+        if self.phase == 0:
+            v = self.versions.setdefault(b, version)
+            ctx = ctx_of(self.canvas, b)
+            for p in range(max(len(self.prompt), b * K), (b + 1) * K):
+                self.canvas[p] = RULE(p, ctx, v)
+        self.phase += 1
+        if self.phase < forwards_per_block:
+            return False
+        P = len(self.prompt)
+        self.phase = 0
+        if EOS in self.canvas[P:min(P + self.max_new, (b + 1) * K)] or b + 1 >= self.nb:
+            self.status = "finished"
+            return True
+        self.block = b + 1
+        return False
+
+
+class RefPartial:
+    """The documented rules of PartialRollouts.collect, by hand (module docstring)."""
+
+    def __init__(self):
+        self.sizes, self.carried, self.done = {}, [], []
+
+    def collect(self, new, quota, version, max_batch, fpb, max_new, min_version=None, due_version=None):
+        stats = dict(dropped=0, dropped_tokens=0, carried_in=0, carried_out=0, forwards=0)
+        if min_version is not None:
+            stale = {s.tag for s in self.carried + self.done if s.oldest() is not None and s.oldest() < min_version}
+            for s in self.carried + self.done:
+                if s.tag in stale:
+                    stats["dropped"] += 1
+                    stats["dropped_tokens"] += s.gen_tokens(s.versions)
+            self.carried = [s for s in self.carried if s.tag not in stale]
+            self.done = [s for s in self.done if s.tag not in stale]
+            for t in stale:
+                self.sizes.pop(t, None)
+        due = set() if due_version is None else {s.tag for s in self.carried + self.done
+                                                 if s.oldest() is not None and s.oldest() < due_version}
+        fresh = [RefSeq(p, t, max_new) for p, t in new]
+        for s in fresh:
+            self.sizes[s.tag] = self.sizes.get(s.tag, 0) + 1
+        slots = max_batch if max_batch > 0 else max(1, len(self.carried) + len(fresh))
+        before = {id(s): set(s.versions) for s in self.carried + self.done}
+        stats["carried_in"] = len(self.carried)
+        order = sorted(self.carried, key=lambda s: (s.tag not in due, s.status == "queued")) + fresh
+        free, active, queue = list(range(slots)), [], []
+        for s in order:
+            if s.status == "active":
+                s.slot = free.pop(0)
+                active.append(s)
+            else:
+                queue.append(s)
+        counts, complete, counted = {}, [], set()
+        for s in self.done:
+            counts[s.tag] = counts.get(s.tag, 0) + 1
+        complete = [t for t, n in counts.items() if n == self.sizes.get(t)]
+        waiting = due - set(complete)
+
+        def note():
+            for s in order:
+                if s.status == "finished" and id(s) not in counted:
+                    counted.add(id(s))
+                    self.done.append(s)
+                    counts[s.tag] = counts.get(s.tag, 0) + 1
+                    if counts[s.tag] == self.sizes[s.tag]:
+                        complete.append(s.tag)
+                        waiting.discard(s.tag)
+            return len(complete) >= quota and not waiting
+
+        def step(holding):
+            if not holding:
+                while queue and free:
+                    s = queue.pop(0)
+                    s.slot, s.status = free.pop(0), "active"
+                    active.append(s)
+            ready = [s for s in active if not (holding and s.phase == 0)]
+            if not ready:
+                return False
+            stats["forwards"] += 1
+            for s in ready:
+                if s.forward(version, fpb):
+                    active.remove(s)
+                    free.append(s.slot)
+                    free.sort()
+            return True
+
+        while not note() and step(False):
+            pass
+        note()
+        while any(s.phase for s in active):  # drain: finish the blocks begun, start nothing
+            step(True)
+        note()
+        self.carried = list(active) + queue
+        stats["carried_out"] = len(self.carried)
+        picked = complete[:quota] + [t for t in complete[quota:] if t in due]
+        out = []
+        for t in picked:
+            out += [s for s in self.done if s.tag == t]
+            del self.sizes[t]
+        self.done = [s for s in self.done if all(s is not o for o in out)]
+        stats["returned_tokens"] = sum(s.gen_tokens(s.versions) for s in out)
+        stats["carried_tokens"] = sum(s.gen_tokens(before.get(id(s), set())) for s in out)
+        return out, stats
+
+
+def _prompt(i, n):
+    return [(7 * i + 3 * j) % 30 for j in range(n)]
+
+
+def _requests(call, groups, size, lens):
+    return [(_prompt(10 * call + g * size + m, lens[(g + m + call) % len(lens)]), (call, g))
+            for g in range(groups) for m in range(size)]
+
+
+def _check(out, stats, ref_out, ref_stats):
+    got = [(s.tag, s.canvas[:len(r.canvas)], dict(s.block_versions)) for s, r in zip(out, ref_out)]
+    want = [(r.tag, r.canvas, r.versions) for r in ref_out]
+    assert len(out) == len(ref_out) and got == want
+    for key, v in ref_stats.items():
+        assert getattr(stats, key) == v, (key, getattr(stats, key), v)
+
+
+SCHEDULES = [  # (preset, max_batch, max_new, calls: [(groups, size, quota, min_version, due_version)])
+    ("quality", 3, 14, [(3, 2, 1, None, None), (2, 2, 1, None, None), (0, 0, 2, None, None), (0, 0, 9, None, None)]),
+    ("quality", 2, 17, [(2, 3, 1, None, None), (2, 1, 1, 0, 1), (1, 2, 1, 1, 2), (0, 0, 5, 2, 3)]),
+    ("m2t", 0, 12, [(4, 2, 2, None, None), (2, 2, 1, 1, None), (1, 1, 1, 1, None), (0, 0, 9, None, None)]),
+    ("quality", 4, 21, [(3, 3, 1, None, 0), (2, 2, 1, None, 1), (2, 2, 0, None, 2), (0, 0, 1, 1, 3),
+                        (0, 0, 9, None, None)]),
+    ("m2t", 1, 10, [(2, 2, 1, None, None), (2, 2, 1, None, 1), (0, 0, 1, 1, 2), (0, 0, 9, None, None)]),
+    ("quality", 5, 9, [(3, 2, 3, 0, 0), (3, 2, 1, 1, None), (0, 0, 1, 2, None), (0, 0, 9, 3, None)]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(SCHEDULES)))
+def test_collect_calls_equal_the_reference(case):
+    """A run of calls (new groups, a quota, a version bumped per call, min_version and due_version) returns
+    the reference's sequences (tags, tokens, each block's version) and stats, call after call."""
+    preset, max_batch, max_new, calls = SCHEDULES[case]
+    cfg = DecodeConfig.preset(preset, max_new_tokens=max_new)
+    fpb = 2 if cfg.editing else 1
+    model, part, ref = StubLM(RULE), PartialRollouts(), RefPartial()
+    for call, (groups, size, quota, min_v, due_v) in enumerate(calls):
+        model.version = call
+        reqs = _requests(call, groups, size, (3, 6, 9, 13))
+        new = [NewSequence(p, None, t) for p, t in reqs]
+        out, stats = part.collect(model, cfg, new, quota, call, max_batch=max_batch, min_version=min_v,
+                                  due_version=due_v)
+        ref_out, ref_stats = ref.collect(reqs, quota, call, max_batch, fpb, max_new, min_v, due_v)
+        _check(out, stats, ref_out, ref_stats)
+        assert set(part.group_sizes) == set(ref.sizes)
+        assert [s.tag for s in part.carried] == [s.tag for s in ref.carried]
+        assert [s.tag for s in part.done] == [s.tag for s in ref.done]
+
+
+def test_every_group_is_returned_exactly_once_whole_and_nothing_older_than_due_stays():
+    """Whatever the quotas: every submitted group comes back exactly once, with all its members; after a call
+    with due_version d, no carried or finished sequence holds a block older than d; nothing is dropped when
+    each call waits for the groups the next call's min_version would drop."""
+    cfg = DecodeConfig.preset("quality", max_new_tokens=19)
+    model, part = StubLM(RULE), PartialRollouts()
+    sizes, seen = {}, []
+    for call in range(6):
+        model.version = call
+        reqs = _requests(call, 3 if call < 4 else 0, 2, (2, 5, 11))
+        for _, t in reqs:
+            sizes[t] = sizes.get(t, 0) + 1
+        out, stats = part.collect(model, cfg, [NewSequence(p, None, t) for p, t in reqs], 1, call, max_batch=2,
+                                  min_version=call - 2, due_version=call - 1)
+        assert stats.dropped == 0 and not part.dropped_tags
+        for t in dict.fromkeys(s.tag for s in out):
+            assert sum(s.tag == t for s in out) == sizes[t]
+            seen.append(t)
+        for s in part.carried + part.done:
+            assert s.oldest_version() is None or s.oldest_version() >= call - 1
+    out, _ = part.collect(model, cfg, [], 100, 6, max_batch=2)
+    seen += list(dict.fromkeys(s.tag for s in out))
+    assert sorted(seen) == sorted(sizes) and not part.carried and not part.done and not part.group_sizes
+
+
+def test_drop_mode_drops_whole_groups_counts_them_and_closes_their_environments():
+    """min_version without due_version: the groups holding a block older than it are dropped whole (carried
+    and finished members), counted with their generated tokens, their environments closed, never returned."""
+    cfg = DecodeConfig.preset("quality", max_new_tokens=16)
+    model, part = StubLM(RULE), PartialRollouts()
+    envs = {}
+
+    class Closable:
+        def __init__(self, fail):
+            self.closed, self.fail = 0, fail
+
+        def close(self):
+            self.closed += 1
+            if self.fail:
+                raise OSError("close failed")
+
+    reqs = _requests(0, 5, 2, (3, 13, 1))
+    new = []
+    for i, (p, t) in enumerate(reqs):
+        envs[i] = Closable(i % 2)
+        new.append(NewSequence(p, None, t))
+    out, _ = part.collect(model, cfg, new, 1, 0, max_batch=3)
+    held = part.carried + part.done
+    stale = {s.tag for s in held if s.oldest_version() is not None}
+    gone = [s for s in held if s.tag in stale]
+    kept = [s for s in held if s.tag not in stale]
+    assert len(gone) >= 3 and any(s.oldest_version() is None for s in gone)  # a queued member goes with its group
+    tokens = sum(decoded_tokens(s, K)[0] for s in gone)
+    for i, s in enumerate(gone):
+        s.env = envs[i]  # single-turn sequences: the env is only there to be closed
+    model.version = 1
+    out, stats = part.collect(model, cfg, [], 0, 1, max_batch=3, min_version=1)
+    assert out == [] and part.dropped_tags == stale and stats.dropped == len(gone)
+    assert stats.dropped_tokens == tokens > 0
+    assert all(envs[i].closed == 1 for i in range(len(gone)))
+    assert set(part.group_sizes) == {s.tag for s in kept} and stats.carried_in == len(kept)
+    assert all(s.tag not in stale for s in part.carried + part.done)
+    out, stats = part.collect(model, cfg, [], 5, 2, max_batch=3, min_version=2)
+    assert part.dropped_tags == set() and stats.dropped == 0
+
+
+def test_a_zero_max_batch_decodes_everything_at_once_and_the_canvas_fits_the_longest():
+    """max_batch 0: one slot per sequence (carried and new), so with quota = every group one call returns all
+    of them after as many forwards as the longest needs; the canvas holds the longest prompt + max_new."""
+    cfg = DecodeConfig.preset("m2t", max_new_tokens=6, stop_at_eos=False)
+    model, part = StubLM(RULE), PartialRollouts()
+    reqs = [(_prompt(i, n), i) for i, n in enumerate([1, 22, 5])]
+    out, stats = part.collect(model, cfg, [NewSequence(p, None, t) for p, t in reqs], 3, 0, max_batch=0)
+    assert [s.tag for s in sorted(out, key=lambda s: s.tag)] == [0, 1, 2]
+    longest = max(-(-(len(p) + 6) // K) - len(p) // K for p, _ in reqs)
+    assert stats.forwards == longest and stats.returned_tokens == 18 and stats.carried_tokens == 0
+
+
+@pytest.mark.xfail(strict=True, reason="collect returns a group's members in the order they finished, not in "
+                   "submission order as its docstring says (reported, not changed: nothing downstream reads the order)")
+def test_members_come_back_in_submission_order():
+    """The docstring: a returned group's members are in submission order (a group whose members finish in
+    another order included)."""
+    cfg = DecodeConfig.preset("quality", max_new_tokens=16, stop_at_eos=False)
+    model, part = StubLM(RULE), PartialRollouts()
+    new = [NewSequence(_prompt(0, 3), None, "g"), NewSequence(_prompt(1, 4), None, "g")]  # 5 blocks, then 4
+    out, _ = part.collect(model, cfg, new, 1, 0, max_batch=2)
+    assert [s.prompt for s in out] == [new[0].prompt, new[1].prompt]
+
+
+def test_decoded_tokens_counts_generated_positions_of_the_decoded_blocks():
+    """decoded_tokens against a plain count: single-turn, the positions of [prompt_len, prompt_len + max_new)
+    in the decoded blocks; multi-turn, the positions marked generated; `old` those of `old_blocks`."""
+    for P, max_new, blocks, old in [(3, 9, [0, 1, 2], {1}), (4, 5, [1, 2], {2}), (6, 2, [1], set()), (0, 8, [0, 1], {0, 1})]:
+        s = Sequence(id=0, prompt=list(range(P)), max_new=max_new, block_versions={b: 0 for b in blocks})
+        n = sum(P <= i < P + max_new for b in blocks for i in range(b * K, (b + 1) * K))
+        o = sum(P <= i < P + max_new for b in blocks if b in old for i in range(b * K, (b + 1) * K))
+        assert decoded_tokens(s, K, old) == (n, o)
+        assert decoded_tokens(s, K) == (n, 0)
+    gen = [False, True, True, False, True, False, True, True, True, False, False, True, True, True, True, True]
+    s = Sequence(id=0, prompt=[1], env=object(), max_new=1, generated=gen, block_versions={0: 0, 1: 1, 2: 1})
+    assert decoded_tokens(s, K, {1}) == (sum(gen[:12]), sum(gen[4:8]))
+
+
+def test_close_env_calls_close_and_ignores_its_failure():
+    class E:
+        n = 0
+
+        def close(self):
+            E.n += 1
+            raise RuntimeError("no")
+
+    close_env(E())
+    close_env(None)
+    close_env(type("NoClose", (), {"close": 3})())
+    assert E.n == 1
+
+
+def test_state_round_trips_through_pickle_and_continues_like_the_original():
+    cfg = DecodeConfig.preset("quality", max_new_tokens=15)
+    model, part = StubLM(RULE), PartialRollouts()
+    reqs = _requests(0, 3, 2, (2, 9))
+    part.collect(model, cfg, [NewSequence(p, None, t) for p, t in reqs], 1, 0, max_batch=2)
+    state = part.state()
+    assert set(state) == {"group_sizes", "carried", "done"} and state["group_sizes"] is not part.group_sizes
+    twin = PartialRollouts.from_state(pickle.loads(pickle.dumps(state)))
+    assert twin.group_sizes == part.group_sizes and len(twin.carried) == len(part.carried) > 0
+    assert len(twin.done) == len(part.done)
+    a, sa = part.collect(model, cfg, [], 9, 1, max_batch=2)
+    b, sb = twin.collect(model, cfg, [], 9, 1, max_batch=2)
+    assert [(s.tag, s.canvas, s.block_versions) for s in a] == [(s.tag, s.canvas, s.block_versions) for s in b]
+    assert sa == sb and isinstance(sa, CollectStats)
