@@ -140,19 +140,16 @@ def test_an_environment_failure_ends_its_trajectory_as_failed_at_that_turn(at, h
     assert tr.turns[-1].observation is None and len(tr.ids) == tr.turns[-1].end
 
 
-@pytest.mark.parametrize("n_steps", [1, 3])
-def test_the_step_timeout_counts_from_that_steps_submission(n_steps):
-    """Steps of 0.06 s each, a timeout of 0.25 s: the first `n_steps` answer in time even when together they
-    took longer than the timeout; the next one hangs and fails the trajectory after about the timeout."""
-    lat = {k: 0.06 for k in range(1, n_steps + 1)}
-    lat[n_steps + 1] = 3.0
-    env = ScriptEnv(9, obs=(1,), latency=lat)
+def test_the_step_timeout_counts_from_that_steps_submission():
+    """Steps of 0.12 s each, a timeout of 0.3 s: the first three answer in time although together they took
+    longer than the timeout; the fourth hangs and fails the trajectory about 0.3 s after its submission."""
+    env = ScriptEnv(9, obs=(1,), latency={1: 0.12, 2: 0.12, 3: 0.12, 4: 3.0})
     t0 = time.monotonic()
-    tr = _one(env, dict(max_turns=9, step_timeout_s=0.25 if n_steps == 3 else 0.1))
+    tr = _one(env, dict(max_turns=9, step_timeout_s=0.3))
     took = time.monotonic() - t0
-    assert tr.stop == "env_timeout" and tr.failed and len(tr.turns) == n_steps + 1
-    assert "timed out" in tr.error and tr.turns[-1].env_latency_s >= (0.25 if n_steps == 3 else 0.1)
-    assert took < 2.0  # the hung step (3 s) is abandoned, not waited for
+    assert tr.stop == "env_timeout" and tr.failed and len(tr.turns) == 4 and len(env.texts) == 4
+    assert "timed out after 0.3 s" in tr.error and tr.turns[-1].env_latency_s >= 0.3
+    assert took >= 0.36 + 0.3 and took < 2.5  # the hung step (3 s) is abandoned, not waited for
 
 
 def test_max_turns_allows_exactly_that_many_turns():
