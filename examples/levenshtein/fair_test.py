@@ -7,7 +7,7 @@
 
 Every decode is Speedy (`speed` preset: tau_mask 0.5, tau_edit 0), greedy, 48 new tokens, DELETE / INSERT at 0.5
 (at most 2 per block and round), in the model's own blocks, on the 500 held-out rows of
-`examples/data/lev_fair_eval.jsonl`, scored by exact match of the answer.
+`examples/data/lev_fair_squeeze_eval.jsonl` (--eval), scored by exact match of the answer.
 
 * `gate`: the start model's answers, their error kinds (`examples.tasks.lev_fair.error_kind`) and the shift share
   of its errors; written to --out (the fixed set of shifted rows that `table` reads).
@@ -41,7 +41,7 @@ from examples.levenshtein.evaluate import decode_rows, edit_round, repair  # noq
 from examples.tasks.lev_fair import error_kind  # noqa: E402
 from rollout import DecodeConfig  # noqa: E402
 
-EVAL, TRAIN = "examples/data/lev_fair_eval.jsonl", "examples/data/lev_fair_train.jsonl"
+EVAL, TRAIN = "examples/data/lev_fair_squeeze_eval.jsonl", "examples/data/lev_fair_squeeze_train.jsonl"
 SPEEDY = dict(max_new_tokens=48, tau_delete=0.5, tau_insert=0.5, max_lev_edits=2)
 # the RL recipe's rollout decoding (recipes/rl_tiny_lev_fair.yaml)
 ROLLOUT = dict(temperature=1.0, max_new_tokens=48, tau_delete=0.3, tau_insert=0.3, max_lev_edits=2)
@@ -175,11 +175,13 @@ def main() -> None:
     ap.add_argument("models", nargs="+", help="gate / labels: model folders; table: NAME=MODEL")
     ap.add_argument("--start", default=None, help="the gate's JSON (labels, table)")
     ap.add_argument("--rows", type=int, default=500)
+    ap.add_argument("--eval", default=EVAL, help="held-out rows (jsonl)")
+    ap.add_argument("--train", default=TRAIN, help="training rows (jsonl), for the rollout shares")
     ap.add_argument("--rollout-prompts", type=int, default=64, help="table: training prompts x 4 rollouts (0 = none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
-    rows = load_rows(EVAL)[: args.rows]
+    rows = load_rows(args.eval)[: args.rows]
     if args.command == "gate":
         res = decode_metrics(args.models[0], rows, None)
         kinds = res["kinds"]
@@ -193,7 +195,7 @@ def main() -> None:
         for m in args.models:
             print(json.dumps({"model": m, **label_accuracy(m, rows, start["texts"])}), flush=True)
         return
-    train_rows = load_rows(TRAIN)[: args.rollout_prompts]
+    train_rows = load_rows(args.train)[: args.rollout_prompts]
     results = {}
     for spec in args.models:
         name, path = spec.split("=", 1)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole fair test of Levenshtein editing (issue 36; docs/levenshtein_fair_test.md), one seed per call:
+# The whole fair test of Levenshtein editing (issue 36; docs/levenshtein_fair_test.md), on the Squeeze task, one seed per call:
 #   bash examples/levenshtein/run_fair_test.sh start            # stage 1 + the gate (runs/fair/start, start.json)
 #   bash examples/levenshtein/run_fair_test.sh seed 0           # stages 2 and 3 for seed 0 (seeds run in parallel)
 #   python examples/levenshtein/fair_test.py table --start runs/fair/start.json control-s0=runs/fair/control-s0 ...
@@ -14,7 +14,10 @@ RL_STEPS=${RL_STEPS:-20}
 FT="python examples/levenshtein/fair_test.py"
 
 if [ "$1" = start ]; then
-  [ -d "$START" ] || ebpo train recipes/sft_tiny_lev_fair.yaml trainer.run_dir="$START-run" trainer.export_dir="$START"
+  # stage 0: copy, from tiny-sft (the first task; it failed the gate); stage 1: Squeeze, from the copy model
+  [ -d "$R/copy" ] || ebpo train recipes/sft_tiny_lev_fair.yaml trainer.run_dir="$R/copy-run" trainer.export_dir="$R/copy"
+  [ -d "$START" ] || ebpo train recipes/sft_tiny_lev_fair_squeeze.yaml model="$R/copy" trainer.run_dir="$START-run" \
+    trainer.export_dir="$START"
   $FT gate "$START" --out "$R/start.json"
   exit 0
 fi

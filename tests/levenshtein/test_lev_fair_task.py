@@ -101,6 +101,30 @@ def test_shipped_files_are_the_generators_output():
         assert text == "".join(json.dumps(r) + "\n" for r in rows)
 
 
+def test_copy_task_files_are_the_generators_output_and_never_hold_a_training_prompt():
+    """The task run (copy only): generated with the earlier mixed training split excluded from its held-out rows,
+    since the start model met that split's copy rows in training."""
+    old_train = {json.loads(line)["prompt"] for line in (ROOT / "examples/data/lev_fair_train.jsonl").open()}
+    train, held = lev_fair.make_splits(10000, 500, seed=0, kinds=("Copy",), exclude=frozenset(old_train))
+    for name, rows in (("lev_fair_copy_train", train), ("lev_fair_copy_eval", held)):
+        text = (ROOT / "examples/data" / f"{name}.jsonl").read_text()
+        assert text == "".join(json.dumps(r) + "\n" for r in rows)
+    held_prompts = {r["prompt"] for r in held}
+    assert len(held_prompts) == 500 and not held_prompts & (old_train | {r["prompt"] for r in train})
+    assert all(r["prompt"] == "Copy: " + r["answer"] for r in train + held)
+
+
+def test_excluded_prompts_never_become_held_out(monkeypatch):
+    monkeypatch.setattr(lev_fair, "ALPHABET", "ab")
+    two = {f"Copy: {a}{b}" for a in "ab" for b in "ab"}
+    three = {f"Copy: {a}{b}{c}" for a in "ab" for b in "ab" for c in "ab"}
+    exclude = frozenset(sorted(two)[:3] + sorted(three)[:4])  # 5 of the 12 copy prompts left to draw
+    train, held = lev_fair.make_splits(30, 4, seed=0, min_len=2, max_len=3, kinds=("Copy",), exclude=exclude)
+    held_prompts = {r["prompt"] for r in held}
+    assert len(held_prompts) == 4 and held_prompts <= (two | three) - exclude
+    assert {r["prompt"] for r in train} == (two | three) - exclude - held_prompts  # the one prompt left
+
+
 @pytest.fixture(scope="module")
 def rewards():
     path = ROOT / "examples/rewards/lev_fair.py"
