@@ -416,7 +416,7 @@ def composite_logprobs_blockwise(model, input_ids: torch.Tensor, noise: NoiseDra
     dev = input_ids.device
     noisy, scored, weight, targets = (None if x is None else x[0]
                                       for x in _noisy_inputs(noise, [draw], input_ids, mask_token_id))
-    comp = torch.zeros(B, device=dev)
+    comp = torch.zeros(B, device=dev, dtype=torch.float32)  # the composites are fp32 whatever the default dtype
     for b in range((L + K - 1) // K):
         lo, hi = b * K, min((b + 1) * K, L)
         m = scored[:, lo:hi]

@@ -139,12 +139,11 @@ def restore_default_dtype():
     torch.set_default_dtype(old)
 
 
-@pytest.mark.parametrize("path", ["unpacked", "packed", "cached", "cached_full"])
+@pytest.mark.parametrize("path", PATHS)
 def test_composites_are_fp32_under_a_float64_default_dtype(small_model, path, restore_default_dtype):
     """The model's weights are fp32 (made before the fixture); its hidden states stay fp32 and the head runs in
     fp32, so the composites are the fp32 values of the default dtype: the same operations, equal bit for bit.
-    (composite_logprobs_blockwise is not in the list: its `torch.zeros(B)` accumulator follows the default
-    dtype and fails there; noticed, not changed here.)"""
+    (composite_logprobs_blockwise's accumulator once followed the default dtype and failed here.)"""
     ids, resp = _batch()
     noise = draw_noise(resp, K, 3, 0.2, 0.9, torch.Generator().manual_seed(0))
     with torch.no_grad():
