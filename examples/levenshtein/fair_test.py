@@ -9,6 +9,9 @@ Every decode is Speedy (`speed` preset: tau_mask 0.5, tau_edit 0), greedy, 48 ne
 (at most 2 per block and round), in the model's own blocks, on the 500 held-out rows of
 `examples/data/lev_fair_squeeze_eval.jsonl` (--eval), scored by exact match of the answer.
 
+Besides exact match, every decode reports the mean edit distance of the answers to the references (also on the
+start's shifted rows): a model that gets few answers exactly right can still move closer to them.
+
 * `gate`: the start model's answers, their error kinds (`examples.tasks.lev_fair.error_kind`) and the shift share
   of its errors; written to --out (the fixed set of shifted rows that `table` reads).
 * `labels`: accuracy of the DELETE / INSERT labels on held-out drafts: the start's own wrong answers laid out in
@@ -38,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script 
 from ebpo.infra.data import collate, encode_sft, load_rows  # noqa: E402
 from ebpo.model.loading import load_model, load_model_tokenizer  # noqa: E402
 from examples.levenshtein.evaluate import decode_rows, edit_round, repair  # noqa: E402
-from examples.tasks.lev_fair import error_kind  # noqa: E402
+from examples.tasks.lev_fair import edit_distance, error_kind  # noqa: E402
 from rollout import DecodeConfig  # noqa: E402
 
 EVAL, TRAIN = "examples/data/lev_fair_squeeze_eval.jsonl", "examples/data/lev_fair_squeeze_train.jsonl"
@@ -61,8 +64,9 @@ def decode_metrics(model_path: str, rows: list[dict], start_kinds: list[str] | N
     """Held-out accuracy, error kinds, TPF, edits per sequence; accuracies on the start's shifted / right rows."""
     texts, outs = answers(model_path, rows)
     kinds = [error_kind(t, r["answer"]) for t, r in zip(texts, rows)]
+    dist = [edit_distance(t, r["answer"]) for t, r in zip(texts, rows)]
     n, errors = len(rows), sum(k != "correct" for k in kinds)
-    res = {"accuracy": kinds.count("correct") / n, "errors": errors,
+    res = {"accuracy": kinds.count("correct") / n, "errors": errors, "edit_distance": sum(dist) / n,
            "shift_share": kinds.count("shift") / errors if errors else float("nan"),
            "tpf": sum(len(o.token_ids) for o in outs) / sum(o.num_forwards for o in outs),
            "deletes_per_seq": sum(o.num_deletes for o in outs) / n,
@@ -71,6 +75,7 @@ def decode_metrics(model_path: str, rows: list[dict], start_kinds: list[str] | N
         for name, want in (("shifted", "shift"), ("start_right", "correct"), ("start_subst", "substitution")):
             idx = [i for i, k in enumerate(start_kinds) if k == want]
             res[f"acc_{name}"] = sum(kinds[i] == "correct" for i in idx) / len(idx) if idx else float("nan")
+            res[f"dist_{name}"] = sum(dist[i] for i in idx) / len(idx) if idx else float("nan")
             res[f"n_{name}"] = len(idx)
     return res
 
@@ -142,9 +147,10 @@ def evaluate_model(model_path: str, rows: list[dict], start: dict, train_rows: l
     return {"model": model_path, **res}
 
 
-COLUMNS = ("accuracy", "acc_shifted", "acc_start_right", "shift_share", "tpf", "deletes_per_seq", "inserts_per_seq",
-           "repair_8", "repair_16", "repair_32", "own_shift_repaired_1", "own_delete_acc", "own_insert_acc",
-           "corrupt_delete_acc", "corrupt_insert_acc", "share_with_op", "share_with_op_right")
+COLUMNS = ("accuracy", "acc_shifted", "acc_start_right", "edit_distance", "dist_shifted", "shift_share", "tpf",
+           "deletes_per_seq", "inserts_per_seq", "repair_8", "repair_16", "repair_32", "own_shift_repaired_1",
+           "own_delete_acc", "own_insert_acc", "corrupt_delete_acc", "corrupt_insert_acc", "share_with_op",
+           "share_with_op_right")
 
 
 def arm_means(results: dict[str, dict]) -> dict[str, dict]:

@@ -16,8 +16,10 @@ FT="python examples/levenshtein/fair_test.py"
 if [ "$1" = start ]; then
   # stage 0: copy, from tiny-sft (the first task; it failed the gate); stage 1: Squeeze, from the copy model
   [ -d "$R/copy" ] || ebpo train recipes/sft_tiny_lev_fair.yaml trainer.run_dir="$R/copy-run" trainer.export_dir="$R/copy"
-  [ -d "$START" ] || ebpo train recipes/sft_tiny_lev_fair_squeeze.yaml model="$R/copy" trainer.run_dir="$START-run" \
-    trainer.export_dir="$START"
+  [ -d "$R/squeeze1" ] || ebpo train recipes/sft_tiny_lev_fair_squeeze.yaml model="$R/copy" \
+    trainer.run_dir="$R/squeeze1-run" trainer.export_dir="$R/squeeze1"
+  [ -d "$START" ] || ebpo train recipes/sft_tiny_lev_fair_squeeze.yaml model="$R/squeeze1" trainer.seed=1 \
+    trainer.run_dir="$START-run" trainer.export_dir="$START"
   $FT gate "$START" --out "$R/start.json"
   exit 0
 fi
