@@ -61,10 +61,10 @@ def trajectory_tensors(trajectories, block_size: int, pad_id: int) -> tuple[torc
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     gen = torch.zeros(len(rows), L, dtype=torch.bool)
     seg = torch.full((len(rows), L), -1, dtype=torch.long)
-    for i, (a, g, s) in enumerate(rows):
-        ids[i, :len(a)] = torch.tensor(a, dtype=torch.long)
-        gen[i, :len(g)] = torch.tensor(g, dtype=torch.bool)
-        seg[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    for i, (a, g, s) in enumerate(rows):  # the assignments cast each row to the typed tensors above
+        ids[i, :len(a)] = torch.as_tensor(a)
+        gen[i, :len(g)] = torch.as_tensor(g)
+        seg[i, :len(s)] = torch.as_tensor(s)
     return ids, gen, seg
 
 
