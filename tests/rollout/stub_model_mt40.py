@@ -3,13 +3,15 @@ rollout/multiturn.py, partial.py, env_steps.py, static_slots.py), and plain-Pyth
 they implement.
 
 The stub model has the call signature of `LLaDA2MoeModelLM` as the engine uses it (eager rows with or without
-a `BlockKVCache`, the compiled step's `StaticKVCache`), but its output is a rule one can compute by hand:
-the candidate at absolute position p is `rule(p, ctx, version)`, where ctx is the sum over the *strictly
-earlier blocks* of (token + 1) * (position + 1), read from the keys it attends (the input, the cached prefix
-or the static cache). Its probability is about 0.998, so with any preset every mask of a block is filled on
-the block's first forward, and (editing on) the confirming post-step sees the same candidates and ends the
-block: the decode of a block is the rule applied to the blocks before it. A cache that holds wrong or
-missing keys changes ctx, hence the tokens.
+a `BlockKVCache`, the compiled step's `StaticKVCache`) and two layers of a toy attention, so that a cache
+holding wrong or missing keys changes what later positions see. Layer 1's key at position i is
+k1 = (token + 1) * (i + 1) + 2^30 (exact in fp64 only); layer 2's key is the sum of the layer-1 keys the
+position attends (through the mask it is given, from the cache and the input); the output at position p reads
+the keys of the *strictly earlier blocks* it attends, ctx = sum of (k1 + k2) there. The candidate at p is
+`rule(p, ctx, version)` with logit `margin` over the others (10 by default: p > 0.99), so with any preset
+every mask of a block is filled on the block's first forward, and (editing on) the confirming post-step sees
+the same candidates and ends the block: the decode of a block is the rule applied to the blocks before it
+(`ctx_of`). A small margin makes sampling meaningful.
 """
 from __future__ import annotations
 
@@ -29,27 +31,37 @@ V = 48
 MASK, EOS = 47, 46
 CLOSE = 32  # decodes to "</tool_call>"
 MARGIN = 10.0  # logit of the candidate over the others: p = e^10 / (e^10 + 47) > 0.99
+OFFSET = 2 ** 30  # added to every layer-1 key: exact in fp64, not in fp32 (a cache of the wrong dtype shows)
+
+
+DEL, INS = 44, 45  # edit-control tokens (Levenshtein editing), never written
 
 
 class Rule:
     """rule(p, ctx, version) -> token: a hash of its arguments; EOS when the hash is below `eos`, the closing
-    tool-call token below `eos + tool`, else one of the words 0..31."""
+    tool-call token below `eos + tool`, DELETE / INSERT in the next `dele` / `ins` values, else a word 0..31."""
 
-    def __init__(self, a=5, b=3, c=1, eos=0, tool=0, mod=97):
+    def __init__(self, a=5, b=3, c=1, eos=0, tool=0, mod=97, dele=0, ins=0, edit=False):
         self.a, self.b, self.c, self.eos, self.tool, self.mod = a, b, c, eos, tool, mod
+        self.dele, self.ins, self.edit = dele, ins, edit
 
-    def __call__(self, p: int, ctx: int, version: int = 0) -> int:
+    def __call__(self, p: int, ctx: int, version: int = 0, cur: int = MASK) -> int:
+        """cur: the token now at p; with `edit`, some written words are predicted as the next word (T2T)."""
+        if self.edit and cur < 32 and (cur + p) % 5 == 0:
+            return (cur + 1) % 32
         h = (self.a * p + self.b * ctx + self.c + 7 * version) % self.mod
-        if h < self.eos:
-            return EOS
-        if h < self.eos + self.tool:
-            return CLOSE
+        for cut, tok in ((self.eos, EOS), (self.tool, CLOSE), (self.dele, DEL), (self.ins, INS)):
+            if h < cut:
+                return tok
+            h -= cut
         return h % 32
 
 
 def ctx_of(canvas: list[int], block: int) -> int:
-    """The context the stub reads for a query in `block`: sum of (tok + 1) * (pos + 1) over the blocks before."""
-    return sum((t + 1) * (i + 1) for i, t in enumerate(canvas[:block * K]))
+    """The context the stub reads for a query in `block` (module docstring), from the final tokens."""
+    k1 = [(t + 1) * (i + 1) + OFFSET for i, t in enumerate(canvas[:block * K])]
+    k2 = [sum(k1[:(j // K + 1) * K]) for j in range(block * K)]
+    return sum(k1) + sum(k2)
 
 
 class _Head(nn.Module):
@@ -61,53 +73,65 @@ class _Head(nn.Module):
         model = self._model[0]
         flat = h.reshape(-1, h.shape[-1]).double()
         out = torch.zeros(flat.shape[0], V, dtype=torch.float64, device=h.device)
-        for i, (p, ctx) in enumerate(flat[:, [0, 2]].tolist()):
-            out[i, model.rule(int(p), int(ctx), model.version)] = MARGIN
+        for i, (p, cur, ctx) in enumerate(flat.tolist()):
+            out[i, model.rule(int(p), int(ctx), model.version, int(cur))] = model.margin
         return out.reshape(*h.shape[:-1], V)
 
 
 class StubLM(nn.Module):
     """See the module docstring. `version` stands for the weights (the rule reads it); `calls` counts forwards."""
 
-    def __init__(self, rule: Rule | None = None, eos=EOS):
+    def __init__(self, rule: Rule | None = None, eos=EOS, margin=MARGIN, lev=False):
         super().__init__()
-        self.rule = rule or Rule()
+        self.rule, self.margin = rule or Rule(), margin
         self.version = 0
         self.calls = 0
+        self.log: list = []  # (cache kind, rows, length) of every forward
         self.weight = nn.Parameter(torch.zeros(1, dtype=torch.float64))
         self.config = SimpleNamespace(block_size=K, mask_token_id=MASK, eos_token_id=eos, vocab_size=V,
-                                      num_hidden_layers=1, num_key_value_heads=1, head_dim=1)
+                                      num_hidden_layers=2, num_key_value_heads=1, head_dim=1)
+        if lev:
+            self.config.delete_token_id, self.config.insert_token_id = DEL, INS
         self.lm_head = _Head(self)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, cache_rows=None,
                 return_logits=True, token_mask=None, **_):
         self.calls += 1
+        self.log.append((type(cache).__name__, *input_ids.shape))
         B, L = input_ids.shape
         pos = position_ids.expand(B, L) if position_ids is not None else torch.arange(L)[None].expand(B, L)
-        k = ((input_ids.double() + 1) * (pos.double() + 1))[..., None, None]  # (B, L, 1, 1)
+        k1 = ((input_ids.double() + 1) * (pos.double() + 1) + OFFSET)[..., None, None]  # (B, L, 1, 1)
+
+        def attend(keys, keep):  # (B, S', 1, 1), (B|1, 1, L, S') -> (B, L)
+            return (keys[:, None, :, 0, 0] * keep[:, 0]).sum(-1)
+
         if isinstance(cache, StaticKVCache):
-            keys, _ = cache.write(0, k, k)
-            kpos = torch.arange(keys.shape[1])[None].expand(B, -1)  # the buffer slot is the position
-            kpos = torch.where(kpos < keys.shape[1] - K, kpos, 10 ** 9)  # the spare tail: never an earlier block
+            keys1, _ = cache.write(0, k1, k1)
             keep = attention_mask
+            k2 = attend(keys1, keep)[..., None, None]
+            keys2, _ = cache.write(1, k2, k2)
+            kpos = torch.arange(keys1.shape[1])[None].expand(B, -1)  # the buffer slot is the position
+            kpos = torch.where(kpos < keys1.shape[1] - K, kpos, 10 ** 9)  # the spare tail: never an earlier block
         elif isinstance(cache, BlockKVCache):
             view = cache.begin(cache_rows)
-            cache.stage(0, k, k)
-            prev, _ = cache.prefix(0)
             S = view.prefix_len
-            keys = torch.cat([prev.to(k.dtype), k], 1)
-            kpos = torch.cat([torch.arange(S)[None].expand(B, S), pos], 1)
             keep = attention_mask
             if keep is None or keep.shape[-1] != S + L:
                 new = keep if keep is not None else torch.ones(1, 1, L, L, dtype=torch.bool)
                 keep = torch.cat([view.valid[:, None, None, :].expand(B, 1, L, S), new.expand(B, 1, L, L)], -1)
+            cache.stage(0, k1, k1)
+            keys1 = torch.cat([cache.prefix(0)[0].to(k1.dtype), k1], 1)
+            k2 = attend(keys1, keep)[..., None, None]
+            cache.stage(1, k2, k2)
+            keys2 = torch.cat([cache.prefix(1)[0].to(k2.dtype), k2], 1)
+            kpos = torch.cat([torch.arange(S)[None].expand(B, S), pos], 1)
         else:
-            keys, kpos = k, pos
             keep = attention_mask if attention_mask is not None else torch.ones(1, 1, L, L, dtype=torch.bool)
-        keys = keys[..., 0, 0]  # (B, S')
+            keys1, k2 = k1, attend(k1, keep)[..., None, None]
+            keys2, kpos = k2, pos
         earlier = (kpos[:, None, :] // K) < (pos[:, :, None] // K)  # (B, L, S')
         use = keep[:, 0].expand(B, L, -1) & earlier
-        ctx = (keys[:, None, :] * use).sum(-1)
+        ctx = ((keys1 + keys2)[:, None, :, 0, 0] * use).sum(-1)
         h = torch.stack([pos.double(), input_ids.double(), ctx], -1)
         return SimpleNamespace(last_hidden_state=h, logits=self.lm_head(h).float() if return_logits else None)
 
@@ -125,8 +149,10 @@ class StubTokenizer:
         return " ".join(WORDS.get(int(t), f"<{int(t)}>") for t in ids
                         if not (skip_special_tokens and int(t) in (EOS, MASK)))
 
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [33 + sum(piece.encode()) % 13 for piece in PIECE.findall(text)]}
+    def __call__(self, text, add_special_tokens=True):
+        """As a Hugging Face tokenizer, special tokens (here a leading 33) are added unless told not to."""
+        ids = [33 + sum(piece.encode()) % 13 for piece in PIECE.findall(text)]
+        return {"input_ids": ([33] if add_special_tokens else []) + ids}
 
 
 class ScriptEnv:
@@ -210,9 +236,9 @@ def reference_multiturn(prompt, env, rule, mt, T, tok=None, version=0):
         obs, _reward, done = env_answer(env, len(turns))
         stop = "done" if done else "max_turns" if len(turns) >= mt.max_turns else None
         if stop is None:
-            ids = tok(mt.observation_template.format(observation=obs))["input_ids"]
+            ids = tok(mt.observation_template.format(observation=obs), add_special_tokens=False)["input_ids"]
             if length + len(ids) + 1 > budget:
-                empty = len(tok(mt.observation_template.format(observation=""))["input_ids"])
+                empty = len(tok(mt.observation_template.format(observation=""), add_special_tokens=False)["input_ids"])
                 stop = "max_total_tokens" if length + empty + 1 > budget else "observation_overflow"
         if stop:
             return dict(ids=canvas[:length], generated=generated[:length], segment=segment[:length], turns=turns,

@@ -101,7 +101,7 @@ def test_trajectories_equal_the_plain_reference(case):
                 assert (t.observation, t.obs_start, t.obs_end) == (obs, t.end, tr.turns[k + 1].start)
             elif tr.stop == "observation_overflow":
                 assert t.observation == obs and str(len(StubTokenizer()(mt.observation_template.format(
-                    observation=obs))["input_ids"])) in tr.error
+                    observation=obs), add_special_tokens=False)["input_ids"])) in tr.error
             else:
                 assert (t.obs_start, t.obs_end) == (0, 0)
         assert sorted(k for j, k in turns_seen if j == i) == list(range(len(tr.turns)))
@@ -191,11 +191,17 @@ def test_without_continue_ready_the_batch_pauses_while_one_waits():
 
 
 # ---------------------------------------------------------------------------------------------------- config
-@pytest.mark.parametrize("bad", [dict(max_turns=0), dict(max_turn_tokens=0), dict(max_total_tokens=0),
-                                 dict(observation_template="<o></o>")])
-def test_validate_refuses_each_bad_limit(bad):
-    with pytest.raises(ValueError, match="max_turns|observation"):
+LIMITS = "multiturn: max_turns, max_turn_tokens and max_total_tokens must be >= 1"
+TEMPLATE = "multiturn.observation_template must contain {observation}"
+
+
+@pytest.mark.parametrize("bad, message", [(dict(max_turns=0), LIMITS), (dict(max_turn_tokens=0), LIMITS),
+                                          (dict(max_total_tokens=-3), LIMITS),
+                                          (dict(observation_template="<o></o>"), TEMPLATE)])
+def test_validate_refuses_each_bad_limit_naming_it(bad, message):
+    with pytest.raises(ValueError) as err:
         MultiTurnConfig(**bad).validate()
+    assert str(err.value) == message
     with pytest.raises(ValueError):
         generate_multiturn(StubLM(), [[1]], [ScriptEnv()], None, MultiTurnConfig(**bad), tokenizer=StubTokenizer())
 
@@ -231,10 +237,11 @@ def test_start_episodes_resets_each_env_with_its_row_and_seed_and_appends_the_fi
     envs = [ScriptEnv(), ScriptEnv(), ScriptEnv()]
     rows = [{"first": "a b"}, {"first": None}, {"first": ""}]
     out = start_episodes(envs, rows, [[1], [2, 3], [4]], tok, seeds=[7, 8, 9], template=SHORT)
-    assert out == [[1] + tok(SHORT.format(observation="a b"))["input_ids"], [2, 3], [4]]
+    assert out == [[1] + tok(SHORT.format(observation="a b"), add_special_tokens=False)["input_ids"], [2, 3], [4]]
     assert [(e.row, e.seed) for e in envs] == list(zip(rows, [7, 8, 9]))
     out = start_episodes(envs, rows, [[1], [2, 3], [4]], tok)
-    assert out[0] == [1] + tok("<|user|><tool_response>a b</tool_response><|role_end|><|assistant|>")["input_ids"]
+    assert out[0] == [1] + tok("<|user|><tool_response>a b</tool_response><|role_end|><|assistant|>",
+                                   add_special_tokens=False)["input_ids"]
     assert [e.seed for e in envs] == [None] * 3
 
 
@@ -256,7 +263,7 @@ def test_run_episodes_resets_decodes_and_closes_every_environment():
         return made[-1]
 
     trajs = run_episodes(StubLM(rule), prompts, rows, factory, cfg, mt, tokenizer=tok, seeds=[4, 5, 6], max_batch=1)
-    starts = [p + (tok(SHORT.format(observation=r["first"]))["input_ids"] if r["first"] else [])
+    starts = [p + (tok(SHORT.format(observation=r["first"]), add_special_tokens=False)["input_ids"] if r["first"] else [])
               for p, r in zip(prompts, rows)]
     for tr, s, env in zip(trajs, starts, made):
         ref = reference_multiturn(s, ScriptEnv(2, obs=(3,)), rule, mt, 64)
@@ -314,3 +321,36 @@ def test_run_episodes_survives_a_failing_close():
     trajs = run_episodes(StubLM(), [[1], [2]], [{}, {}], lambda: Bad(1), None,
                          MultiTurnConfig(observation_template=SHORT, max_total_tokens=40), tokenizer=StubTokenizer())
     assert len(trajs) == 2 and len(closed) == 2 and threading.active_count() >= 1
+
+
+def test_run_episodes_passes_seeds_and_max_batch_on():
+    """Sampled decoding: run_episodes gives the trajectories generate_multiturn gives with the same seeds on the
+    started prompts; max_batch bounds the rows of every forward."""
+    rule = Rule(eos=4, tool=6)
+    mt = MultiTurnConfig(max_turns=3, max_turn_tokens=7, max_total_tokens=64, observation_template=SHORT)
+    cfg = DecodeConfig.preset("quality", temperature=1.0)
+    prompts = [_prompt(i, n) for i, n in enumerate([5, 9, 2])]
+    rows = [{}, {}, {}]
+    model = StubLM(rule, margin=3.0)
+    got = run_episodes(model, prompts, rows, lambda: ScriptEnv(3, obs=(2,)), cfg, mt, tokenizer=StubTokenizer(),
+                       seeds=[11, 12, 13], max_batch=1)
+    assert max(e[1] for e in model.log) == 1
+    want = generate_multiturn(StubLM(rule, margin=3.0), prompts, [ScriptEnv(3, obs=(2,)) for _ in prompts], cfg, mt,
+                              tokenizer=StubTokenizer(), seeds=[11, 12, 13])
+    assert [t.ids for t in got] == [t.ids for t in want]
+    other = generate_multiturn(StubLM(rule, margin=3.0), prompts, [ScriptEnv(3, obs=(2,)) for _ in prompts], cfg,
+                               mt, tokenizer=StubTokenizer(), seeds=[21, 22, 23])
+    assert [t.ids for t in other] != [t.ids for t in want]  # the seeds do choose the tokens
+
+
+def test_run_episodes_takes_environments_without_close():
+    class NoClose:
+        def reset(self, row, seed=None):
+            return None
+
+        def step(self, text):
+            return ("o", 1.0, True, {})
+
+    trajs = run_episodes(StubLM(), [[1], [2]], [{}, {}], NoClose, None,
+                         MultiTurnConfig(observation_template=SHORT, max_total_tokens=40), tokenizer=StubTokenizer())
+    assert [t.stop for t in trajs] == ["done", "done"]

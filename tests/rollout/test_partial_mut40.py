@@ -10,8 +10,11 @@ dropped at the start of a call. With editing on (the quality preset) a block tak
 its confirming post-step, so a stop in the middle of a block (the drain) is exercised; with m2t it takes one.
 """
 import pickle
+import random
 
 import pytest
+
+import rollout.compiled as compiled
 
 from rollout.config import DecodeConfig
 from rollout.partial import CollectStats, NewSequence, PartialRollouts, close_env, decoded_tokens
@@ -21,9 +24,15 @@ from stub_model_mt40 import EOS, K, MASK, Rule, StubLM, ctx_of
 RULE = Rule(a=5, b=3, c=1, eos=9, mod=97)
 
 
+@pytest.fixture(autouse=True)
+def _eager_compiled_step(monkeypatch):
+    """The compiled step's fixed-shape function, run eagerly (same tokens; no compile time)."""
+    monkeypatch.setattr(compiled, "COMPILE", False)
+
+
 class RefSeq:
-    def __init__(self, prompt, tag, max_new):
-        self.prompt, self.tag, self.max_new = list(prompt), tag, max_new
+    def __init__(self, prompt, tag, max_new, rule=RULE):
+        self.prompt, self.tag, self.max_new, self.rule = list(prompt), tag, max_new, rule
         P = len(prompt)
         self.nb = -(-(P + max_new) // K)
         self.canvas = self.prompt + [MASK] * (self.nb * K - P)
@@ -44,7 +53,7 @@ class RefSeq:
             v = self.versions.setdefault(b, version)
             ctx = ctx_of(self.canvas, b)
             for p in range(max(len(self.prompt), b * K), (b + 1) * K):
-                self.canvas[p] = RULE(p, ctx, v)
+                self.canvas[p] = self.rule(p, ctx, v)
         self.phase += 1
         if self.phase < forwards_per_block:
             return False
@@ -60,8 +69,8 @@ class RefSeq:
 class RefPartial:
     """The documented rules of PartialRollouts.collect, by hand (module docstring)."""
 
-    def __init__(self):
-        self.sizes, self.carried, self.done = {}, [], []
+    def __init__(self, rule=RULE):
+        self.sizes, self.carried, self.done, self.rule = {}, [], [], rule
 
     def collect(self, new, quota, version, max_batch, fpb, max_new, min_version=None, due_version=None):
         stats = dict(dropped=0, dropped_tokens=0, carried_in=0, carried_out=0, forwards=0)
@@ -77,7 +86,7 @@ class RefPartial:
                 self.sizes.pop(t, None)
         due = set() if due_version is None else {s.tag for s in self.carried + self.done
                                                  if s.oldest() is not None and s.oldest() < due_version}
-        fresh = [RefSeq(p, t, max_new) for p, t in new]
+        fresh = [RefSeq(p, t, max_new, self.rule) for p, t in new]
         for s in fresh:
             self.sizes[s.tag] = self.sizes.get(s.tag, 0) + 1
         slots = max_batch if max_batch > 0 else max(1, len(self.carried) + len(fresh))
@@ -169,20 +178,42 @@ SCHEDULES = [  # (preset, max_batch, max_new, calls: [(groups, size, quota, min_
                         (0, 0, 9, None, None)]),
     ("m2t", 1, 10, [(2, 2, 1, None, None), (2, 2, 1, None, 1), (0, 0, 1, 1, 2), (0, 0, 9, None, None)]),
     ("quality", 5, 9, [(3, 2, 3, 0, 0), (3, 2, 1, 1, None), (0, 0, 1, 2, None), (0, 0, 9, 3, None)]),
+    # overdue groups' queued members are admitted before the others' (and their active ones adopted first)
+    ("quality", 2, 12, [(3, 3, 1, None, None), (0, 0, 1, None, 1), (1, 2, 1, None, 2), (0, 0, 99, None, None)]),
+    ("m2t", 3, 16, [(2, 2, 0, None, None), (2, 3, 1, None, 1), (0, 0, 1, None, 2), (0, 0, 99, None, None)]),
 ]
+
+
+def _random_schedule(seed):
+    rng = random.Random(seed)
+    calls = []
+    for call in range(rng.randint(3, 5)):
+        old = [None, None, call - 2, call - 1, call]
+        calls.append((rng.randint(0, 3), rng.randint(1, 3), rng.randint(0, 3), rng.choice(old), rng.choice(old)))
+    calls.append((0, 0, 99, None, None))
+    lens = tuple(rng.sample(range(1, 15), 3))
+    return (rng.choice(["quality", "m2t"]), rng.randint(0, 4), rng.randint(5, 20), calls, rng.random() < 0.4,
+            rng.choice([0, 3, 9]), lens)
+
+
+SCHEDULES = [s + (False, 9, (3, 6, 9, 13)) for s in SCHEDULES] + [s[:4] + (True, 9, (3, 6, 9, 13)) for s in SCHEDULES[:2]]
+SCHEDULES += [_random_schedule(seed) for seed in range(40)]
 
 
 @pytest.mark.parametrize("case", range(len(SCHEDULES)))
 def test_collect_calls_equal_the_reference(case):
     """A run of calls (new groups, a quota, a version bumped per call, min_version and due_version) returns
-    the reference's sequences (tags, tokens, each block's version) and stats, call after call."""
-    preset, max_batch, max_new, calls = SCHEDULES[case]
-    cfg = DecodeConfig.preset(preset, max_new_tokens=max_new)
+    the reference's sequences (tags, tokens, each block's version) and stats, call after call; eager, and with
+    the compiled step (its slots refilled when a carried sequence is adopted); the hand-written schedules,
+    then random ones."""
+    preset, max_batch, max_new, calls, static, eos, lens = SCHEDULES[case]
+    cfg = DecodeConfig.preset(preset, max_new_tokens=max_new, compiled_step=static)
     fpb = 2 if cfg.editing else 1
-    model, part, ref = StubLM(RULE), PartialRollouts(), RefPartial()
+    rule = Rule(a=5, b=3, c=1 + case, eos=eos, mod=97)
+    model, part, ref = StubLM(rule), PartialRollouts(), RefPartial(rule)
     for call, (groups, size, quota, min_v, due_v) in enumerate(calls):
         model.version = call
-        reqs = _requests(call, groups, size, (3, 6, 9, 13))
+        reqs = _requests(call, groups, size, lens)
         new = [NewSequence(p, None, t) for p, t in reqs]
         out, stats = part.collect(model, cfg, new, quota, call, max_batch=max_batch, min_version=min_v,
                                   due_version=due_v)
@@ -221,7 +252,7 @@ def test_every_group_is_returned_exactly_once_whole_and_nothing_older_than_due_s
 def test_drop_mode_drops_whole_groups_counts_them_and_closes_their_environments():
     """min_version without due_version: the groups holding a block older than it are dropped whole (carried
     and finished members), counted with their generated tokens, their environments closed, never returned."""
-    cfg = DecodeConfig.preset("quality", max_new_tokens=16)
+    cfg = DecodeConfig.preset("quality", max_new_tokens=20)
     model, part = StubLM(RULE), PartialRollouts()
     envs = {}
 
@@ -234,7 +265,7 @@ def test_drop_mode_drops_whole_groups_counts_them_and_closes_their_environments(
             if self.fail:
                 raise OSError("close failed")
 
-    reqs = _requests(0, 5, 2, (3, 13, 1))
+    reqs = _requests(0, 5, 2, (5, 6, 7))
     new = []
     for i, (p, t) in enumerate(reqs):
         envs[i] = Closable(i % 2)
@@ -257,6 +288,9 @@ def test_drop_mode_drops_whole_groups_counts_them_and_closes_their_environments(
     assert all(s.tag not in stale for s in part.carried + part.done)
     out, stats = part.collect(model, cfg, [], 5, 2, max_batch=3, min_version=2)
     assert part.dropped_tags == set() and stats.dropped == 0
+    part.dropped_tags = {"x"}
+    part.collect(model, cfg, [], 5, 3, max_batch=3)
+    assert part.dropped_tags == set()  # each call says what it dropped, nothing without min_version
 
 
 def test_a_zero_max_batch_decodes_everything_at_once_and_the_canvas_fits_the_longest():
@@ -325,3 +359,94 @@ def test_state_round_trips_through_pickle_and_continues_like_the_original():
     b, sb = twin.collect(model, cfg, [], 9, 1, max_batch=2)
     assert [(s.tag, s.canvas, s.block_versions) for s in a] == [(s.tag, s.canvas, s.block_versions) for s in b]
     assert sa == sb and isinstance(sa, CollectStats)
+
+
+def test_a_state_with_finished_members_waiting_for_their_group_round_trips():
+    """`done` (finished members whose group is incomplete) survives state() / from_state() too."""
+    cfg = DecodeConfig.preset("quality", max_new_tokens=12, stop_at_eos=False)
+    model, part = StubLM(RULE), PartialRollouts()
+    new = [NewSequence(_prompt(0, 4), None, "a"), NewSequence(_prompt(1, 3), None, "a"),
+           NewSequence(_prompt(2, 4), None, "b")]  # a's first member takes 3 blocks, its second 4
+    out, _ = part.collect(model, cfg, new, 1, 0, max_batch=3)
+    assert [s.tag for s in out] == ["b"]
+    assert [s.tag for s in part.done] == ["a"] and [s.tag for s in part.carried] == ["a"]
+    twin = PartialRollouts.from_state(pickle.loads(pickle.dumps(part.state())))
+    assert [s.tag for s in twin.done] == ["a"]
+    out, _ = twin.collect(model, cfg, [], 1, 0, max_batch=3)
+    assert [s.prompt for s in out] == [new[0].prompt, new[1].prompt]
+
+
+def test_sampled_sequences_carried_across_calls_decode_what_one_engine_decodes():
+    """With sampling, each sequence continues its own generator across calls (same weights): its tokens equal
+    those of one uninterrupted engine run with the same seeds."""
+    import torch
+
+    from rollout.engine import Engine
+
+    cfg = DecodeConfig.preset("quality", max_new_tokens=14, temperature=1.0)
+    prompts = [_prompt(i, n) for i, n in enumerate([3, 9, 5, 12, 1, 7])]
+    gens = [torch.Generator().manual_seed(50 + i) for i in range(len(prompts))]
+    part = PartialRollouts()
+    out, _ = part.collect(StubLM(RULE, margin=3.0), cfg, [NewSequence(p, g, i // 2) for i, (p, g)
+                                                         in enumerate(zip(prompts, gens))], 1, 0, max_batch=2)
+    while part.carried or part.done:
+        more, _ = part.collect(StubLM(RULE, margin=3.0), cfg, [], 1, 0, max_batch=2)
+        out += more
+    engine = Engine(StubLM(RULE, margin=3.0), cfg, max_batch=6, canvas_len=32)
+    for i, p in enumerate(prompts):
+        engine.submit(p, torch.Generator().manual_seed(50 + i))
+    want = {tuple(s.prompt): s.canvas for s in engine.run()}
+    assert len(out) == 6 and all(s.canvas[:len(want[tuple(s.prompt)])] == want[tuple(s.prompt)] for s in out)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_multi_turn_sequences_carried_over_decode_what_they_would_uninterrupted(static):
+    """Multi-turn groups through several calls (quota 1, tools that take a while, so sequences are carried
+    while waiting on them): every trajectory equals the plain multi-turn reference; a prompt longer than
+    max_total_tokens still fits the canvas (and stops at once); env steps never run more than max_workers at
+    once, across calls."""
+    from ebpo.core.turns import round_up
+    from rollout.env_steps import StepRunner
+    from rollout.multiturn import MultiTurnConfig, trajectory_of
+    from stub_model_mt40 import ScriptEnv, StubTokenizer, reference_multiturn
+
+    rule = Rule(eos=6, tool=8, c=2)
+    mt = MultiTurnConfig(max_turns=3, max_turn_tokens=6, max_total_tokens=40,
+                         observation_template="<o>{observation}</o>", max_workers=2)
+    cfg = DecodeConfig.preset("quality", compiled_step=static)
+    lock, running, most = __import__("threading").Lock(), [0], [0]
+
+    class Env(ScriptEnv):
+        def step(self, text):
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            try:
+                return super().step(text)
+            finally:
+                with lock:
+                    running[0] -= 1
+
+    lens = [5, 9, 13, 3, 42, 7]
+    prompts = [_prompt(i, n) for i, n in enumerate(lens)]
+    envs = [Env(3, obs=(1 + i % 3, 4), latency=0.02 * (i % 3)) for i in range(len(prompts))]
+    new = [NewSequence(p, None, i // 2, e) for i, (p, e) in enumerate(zip(prompts, envs))]
+    part, runner, tok, out = PartialRollouts(), StepRunner(2), StubTokenizer(), []
+    model = StubLM(rule)
+    for call in range(40):
+        got, stats = part.collect(model, cfg, new if call == 0 else [], 1, 0, max_batch=3, tokenizer=tok, mt=mt,
+                                  runner=runner)
+        out += got
+        assert stats.returned_tokens == sum(sum(s.generated) for s in got)
+        if not part.carried and not part.done:
+            break
+    assert sorted(s.tag for s in out) == [0, 0, 1, 1, 2, 2] and most[0] <= 2
+    T = round_up(max(mt.max_total_tokens, max(lens) + 4), 4)
+    for s in out:
+        i = prompts.index(s.prompt)
+        tr = trajectory_of(s, 0.0, 4)
+        ref = reference_multiturn(prompts[i], ScriptEnv(3, obs=(1 + i % 3, 4)), rule, mt, T, tok)
+        assert (tr.ids, tr.generated, tr.segment, tr.stop) == (ref["ids"], ref["generated"], ref["segment"],
+                                                               ref["stop"])
+        assert envs[i].texts == ref["texts"]
+    assert [s.stop for s in out if len(s.prompt) == 42] == ["max_total_tokens"]
