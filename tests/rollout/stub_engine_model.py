@@ -285,7 +285,7 @@ class StubTokenizer:
     def __init__(self, tool: int | None = None):
         self.tool = tool
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=False):  # a Hugging Face tokenizer's default
         out = []
         for t in ids:
             if t in (MASK, EOS) and skip_special_tokens:
@@ -324,7 +324,7 @@ def ref_multiturn(stub: StubModel, prompt: list[int], step, cfg, mt, tok: StubTo
         def stop(b):
             toks = x[start:(b + 1) * K]
             cut = toks.index(EOS) if EOS in toks else None
-            why["text"] = tok.decode(toks if cut is None else toks[:cut])
+            why["text"] = tok.decode(toks if cut is None else toks[:cut], skip_special_tokens=True)
             if cut is not None:
                 why["by"] = "eos"
             elif mt.stop_at_tool_call and "</tool_call>" in why["text"]:

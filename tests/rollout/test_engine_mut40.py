@@ -7,10 +7,11 @@ they bound, drain / export / adopt, and multi-turn rollouts (turn ends, observat
 timeouts, pausing while a sequence waits). Each test runs in well under a second (issue 40's mutation run of
 rollout/engine.py)."""
 import concurrent.futures
+import re
 
 import pytest
 import torch
-from stub_engine_model import (EOS, MASK, StubModel, StubTokenizer, ref_multiturn, ref_single)
+from stub_engine_model import (EOS, MASK, StubModel, StubTokenizer, ref_multiturn, ref_output, ref_single)
 
 from rollout import DecodeConfig
 from rollout.engine import Engine, eos_ids_of
@@ -36,6 +37,11 @@ CASES = {
     "lev-delete-only-no-edit": dict(tau_edit=None, max_post_steps=1, tau_delete=0.3),
     "lev-mbe": dict(max_post_steps=1, tau_insert=0.3, tau_delete=0.6, mbe_window=1, mbe_tau=0.7),
 }
+
+
+def exact(message):
+    """A pytest `match` pattern for exactly this message."""
+    return "^" + re.escape(message) + "$"
 
 
 def _stub(name, seed=0, eos_rate=0.12):
@@ -150,12 +156,13 @@ def test_submit_checks_the_canvas_and_the_default_length():
     assert eng.T == 12 and eng.K == 4 and eng.mask_id == MASK and eng.eos_ids == {EOS}
     s = eng.submit([3] * 6)
     assert s.max_new == 6 and s.prompt == [3] * 6 and s.id == 0
-    with pytest.raises(ValueError, match="a prompt of 7 tokens does not fit the canvas of 12 positions"):
+    too_long = "Engine.submit: a prompt of {} tokens does not fit the canvas of 12 positions"
+    with pytest.raises(ValueError, match=exact(too_long.format(7))):
         eng.submit([3] * 7)
     s2 = eng.submit([3] * 10, max_new_tokens=2)
     assert s2.id == 1 and s2.max_new == 2
     eng.submit([], max_new_tokens=12)
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match=exact(too_long.format(1))):
         eng.submit([4], max_new_tokens=12)
     assert [x.id for x in eng.sequences] == [0, 1, 2] and list(eng.queue) == eng.sequences
     assert Engine(stub, cfg.replace(block_size=3), max_batch=0, canvas_len=7).T == 9  # block_size overrides
@@ -171,7 +178,9 @@ def test_eos_ids_and_levenshtein_ids_of_the_model_config():
     assert eos_ids_of(cfg) == {6}
     cfg.eos_token_id = None
     assert eos_ids_of(cfg) == set()
-    with pytest.raises(ValueError, match="no delete_token_id / insert_token_id"):
+    no_ids = ("DecodeConfig.tau_delete / tau_insert: the model's config has no delete_token_id / insert_token_id; "
+              "Levenshtein editing needs a model trained with them")
+    with pytest.raises(ValueError, match=exact(no_ids)):
         Engine(StubModel(K=K), _cfg("lev"), max_batch=1, canvas_len=8)
     assert Engine(StubModel(K=K, lev=True), _cfg("lev"), max_batch=1, canvas_len=8).lev_ids == (10, 11)
     assert Engine(StubModel(K=K, lev=True), _cfg("quality"), max_batch=1, canvas_len=8).lev_ids is None
@@ -281,7 +290,7 @@ def test_drain_export_adopt_continues_in_another_engine():
     assert [len(s.canvas) for s in out[:2]] == [eng.T, eng.T] and out[2].status == QUEUED
     other = Engine(stub, cfg, max_batch=3, canvas_len=eng.T)
     other.submit([9], max_new_tokens=3)
-    with pytest.raises(ValueError, match="sequence 0 is not at a block boundary"):
+    with pytest.raises(ValueError, match=exact("Engine.adopt: sequence 0 is not at a block boundary (status decoding)")):
         Engine(stub, cfg, max_batch=1, canvas_len=eng.T).adopt(Sequence_at_mid_block(out[0]))
     for s in out:
         other.adopt(s)
@@ -307,11 +316,11 @@ def test_adopt_refuses_what_does_not_fit():
     out = eng.export()
     small = Engine(stub, cfg, max_batch=1, canvas_len=8)
     assert out[0].canvas[8:] != [MASK] * (len(out[0].canvas) - 8)
-    with pytest.raises(ValueError, match=r"holds 16 positions, the canvas 8"):
+    with pytest.raises(ValueError, match=exact("Engine.adopt: sequence 0 holds 16 positions, the canvas 8")):
         small.adopt(out[0])
     fresh = Engine(stub, cfg, max_batch=1, canvas_len=16)
     fresh.adopt(out[1])
-    with pytest.raises(ValueError, match="no free slot"):
+    with pytest.raises(ValueError, match=exact("Engine.adopt: no free slot (adopt before submitting new sequences)")):
         fresh.adopt(out[0])
     # a canvas longer than this engine's, masks only past it, fits
     short = Engine(stub, cfg, max_batch=1, canvas_len=16)
@@ -558,3 +567,183 @@ def test_the_engine_allocates_its_slots():
     assert eng.cache.max_len == 12 and eng.cache.batch_size == 3 and eng.free == [0, 1, 2]
     assert eng.static is None and eng.version == 0 and not eng.holding and eng.runner is None
     assert Engine(stub, cfg.replace(use_cache=False), max_batch=1, canvas_len=4).cache is None
+
+
+# ---- the compiled step's side of the engine, with a recording stand-in
+
+
+class RecordingStatic:
+    """Stands in for `rollout.static_slots.StaticSlots`: records what the engine asks of it (static_slots'
+    docstring: `place` on admission, `refill` of [from, to) blocks after an MBE edit or an adopt, `resume` when a
+    turn resumes after its observation)."""
+
+    log = []
+
+    def __init__(self, engine):
+        RecordingStatic.log.append(("init", engine.max_batch, engine.T))
+
+    def place(self, engine, s):
+        RecordingStatic.log.append(("place", s.id, s.slot, s.block, s.start))
+
+    def resume(self, engine, s):
+        RecordingStatic.log.append(("resume", s.id, s.start, s.block, engine.slots.canvas[s.slot, :s.start].tolist()))
+
+    def refill(self, engine, s, from_block, to_block=None):
+        RecordingStatic.log.append(("refill", s.id, from_block, to_block))
+
+
+@pytest.fixture
+def recording_static(monkeypatch):
+    import rollout.static_slots as static_slots
+
+    RecordingStatic.log = []
+    monkeypatch.setattr(static_slots, "StaticSlots", RecordingStatic)
+    forwarded = []
+
+    def static_forward(engine, ready):  # the eager path then decodes every row (same tokens, by design)
+        forwarded.append([s.id for s in ready])
+        return ready
+    monkeypatch.setattr(static_slots, "static_forward", static_forward)
+    return RecordingStatic.log, forwarded
+
+
+def test_compiled_step_bookkeeping_single_turn(recording_static):
+    log, forwarded = recording_static
+    stub = StubModel(K=K, seed=0, eos_rate=0.0)
+    cfg = _cfg("mbe-1", compiled_step=True)
+    prompts, lens = PROMPTS[:3], [9, 9, 9]
+    eng, seqs = _run_engine(stub, cfg, prompts, lens, 2)
+    assert eng.cache is None and log == [("init", 2, eng.T)]
+    eng.run()
+    want_refill = {}
+    for s, p, m in zip(seqs, prompts, lens):
+        rs = ref_single(stub, p, m, cfg)
+        assert s.canvas == rs.x and s.forwards == rs.forwards
+        # after each MBE window that changed tokens: refill from the first changed block to the block that ended
+        prev, changed, out = rs.snapshots[0], None, []
+        for j, ((kind, b, _), snap) in enumerate(zip(rs.events, rs.snapshots)):
+            if kind == "mbe":
+                diff = [i // K for i in range(len(snap)) if snap[i] != prev[i]]
+                if diff:
+                    changed = min(diff + ([changed] if changed is not None else []))
+                if (j + 1 == len(rs.events) or rs.events[j + 1][0] == "block") and changed is not None:
+                    out.append(("refill", s.id, changed, b))
+                    changed = None
+            prev = snap
+        want_refill[s.id] = out
+    for s, p in zip(seqs, prompts):
+        assert [e for e in log if e[0] == "place" and e[1] == s.id] == [("place", s.id, s.slot, len(p) // K, len(p))]
+        assert [e for e in log if e[0] == "refill" and e[1] == s.id] == want_refill[s.id]
+    assert sum(len(v) for v in want_refill.values()) > 0
+    assert len(forwarded) == eng.num_forwards and all(forwarded)
+
+
+def test_compiled_step_bookkeeping_multiturn_and_adopt(recording_static):
+    log, _ = recording_static
+    stub = StubModel(K=K, seed=1, eos_rate=0.0)
+    cfg = _cfg("quality", max_post_steps=0, compiled_step=True)
+    mt = MultiTurnConfig(max_turn_tokens=4, max_turns=3, stop_at_tool_call=False, observation_template="{observation}")
+    runner = SyncRunner(pending={1})
+    eng, (s,), _, _ = _mt_engine(stub, cfg, mt, [[3, 4, 5]], [[("de", 0, False, {})]], 40, 1, runner=runner)
+    eng.run_until(lambda: s.status == WAITING and len(s.turns) == 2)
+    resumes = [e for e in log if e[0] == "resume"]
+    t = s.turns[0]
+    assert resumes == [("resume", 0, t.obs_end, t.obs_end // K, eng.slots.canvas[0, :t.obs_end].tolist())]
+    assert eng.slots.canvas[0, t.obs_start:t.obs_end].tolist() == [3, 4]
+    out = eng.export()
+    assert out == [s] and s.status == WAITING
+    other = Engine(stub, cfg, max_batch=2, canvas_len=40, tokenizer=StubTokenizer(), mt=mt, runner=runner)
+    log.clear()
+    other.adopt(s)
+    assert log == [("refill", 0, 0, s.turns[-1].end // K - 1)]
+    eng2, (d,) = _run_engine(stub, cfg, [[3, 4, 5]], [12], 1)
+    eng2.run_until(lambda: d.block >= 2)
+    eng2.drain()
+    eng2.export()
+    log.clear()
+    other.adopt(d)
+    assert log == [("refill", 1, 0, None)]
+
+
+def test_a_waiting_trajectory_adopted_into_a_longer_canvas_goes_on_as_before():
+    """A multi-turn sequence exported while its environment step is pending and adopted by an engine with a longer
+    canvas: its per-position turn records are padded to that canvas, the step's answer is taken there, and the
+    trajectory ends exactly as the reference on that canvas (same budget)."""
+    stub = StubModel(K=K, seed=3, eos_rate=0.05)
+    cfg = _cfg("quality")
+    mt = MultiTurnConfig(max_turn_tokens=6, max_turns=3, max_total_tokens=40, stop_at_tool_call=False,
+                         observation_template="jk{observation}")
+    runner = SyncRunner(pending={0})
+    script = [("de", 0.5, False, {})]
+    eng, (s,), (env,), tok = _mt_engine(stub, cfg, mt, [[3, 4, 5]], [script], 40, 1, runner=runner)
+    eng.run_until(lambda: s.status == WAITING)
+    eng.drain()
+    (out,) = eng.export()
+    assert out is s and len(s.generated) == 40
+    other = Engine(stub, cfg, max_batch=1, canvas_len=48, tokenizer=tok, mt=mt, runner=runner)
+    other.adopt(s)
+    assert len(s.generated) == len(s.segment) == 48 and s.generated[40:] == [False] * 8 and s.segment[40:] == [-1] * 8
+    fut, e, text = runner.futures[0]
+    fut.set_result((e.step(text), 0.0))
+    other.run()
+    ref = ref_multiturn(stub, [3, 4, 5], ScriptEnv(script).answer, cfg, mt, tok, 48)
+    _check_trajectory(s, ref, env)
+    assert s.stop == "max_turns"
+
+
+def test_generate_sizes_the_compiled_step_s_canvas(recording_static):
+    """With compiled_step, generate builds the engine on `rollout.compiled.canvas_length` (whole buckets of blocks,
+    the longest prompt plus its length), one slot per prompt; the tokens are the eager ones."""
+    from rollout.compiled import canvas_length
+    from rollout.decoder import generate
+
+    log, _ = recording_static
+    stub = StubModel(K=K, seed=0)
+    cfg = _cfg("quality", compiled_step=True, max_new_tokens=6)
+    prompts = [[3, 4, 5], [5] * 9, []]
+    outs = generate(stub, prompts, cfg, max_new_tokens=[6, 3, 10])
+    T = max(canvas_length([len(p)], m, K) for p, m in zip(prompts, [6, 3, 10]))
+    assert T > max(-(-(len(p) + m) // K) * K for p, m in zip(prompts, [6, 3, 10]))
+    assert log[0] == ("init", 3, T)
+    for o, p, m in zip(outs, prompts, [6, 3, 10]):
+        assert o.token_ids == ref_output(ref_single(stub, p, m, cfg), m, K)["token_ids"]
+
+
+def test_the_default_runner_runs_env_steps_in_threads():
+    """Without a runner the engine makes its own (`StepRunner`, mt.max_workers threads); the trajectory is the
+    same; the clocks (t0, submission, wait and latency) are the engine's monotonic seconds."""
+    import time
+
+    stub = StubModel(K=K, seed=3, eos_rate=0.05)
+    cfg = _cfg("quality")
+    mt = MultiTurnConfig(max_turn_tokens=6, max_turns=3, max_total_tokens=40, stop_at_tool_call=False,
+                         observation_template="jk{observation}", max_workers=2)
+    script = [("de", 0.5, False, {})]
+    before = time.monotonic()
+    eng = Engine(stub, cfg, max_batch=2, canvas_len=40, tokenizer=StubTokenizer(), mt=mt)
+    assert before <= eng.t0 <= time.monotonic() and eng.runner is not None
+    envs = [ScriptEnv(script), ScriptEnv(script)]
+    seqs = [eng.submit([3, 4, 5], env=envs[0]), eng.submit([6, 7], env=envs[1])]
+    eng.run()
+    after = time.monotonic()
+    for s, p, env in zip(seqs, ([3, 4, 5], [6, 7]), envs):
+        ref = ref_multiturn(stub, p, ScriptEnv(script).answer, cfg, mt, StubTokenizer(), 40)
+        _check_trajectory(s, ref, env)
+        assert eng.t0 <= s.end_time <= after
+        for t in s.turns[:-1]:
+            assert 0 <= t.env_latency_s <= t.wait_s <= after - eng.t0
+        assert eng.t0 <= s.submitted <= after
+
+
+def test_failed_steps_record_how_long_they_ran():
+    stub = StubModel(K=K, seed=1, eos_rate=0.0)
+    cfg = _cfg("quality", max_post_steps=0)
+    mt = MultiTurnConfig(max_turn_tokens=4, max_turns=2, stop_at_tool_call=False, observation_template="{observation}")
+    eng, (s,), _, _ = _mt_engine(stub, cfg, mt, [[3, 4]], [[ValueError("bad tool")]], 40, 1)
+    eng.run()
+    assert s.stop == "env_error" and s.failed and s.error == "ValueError: bad tool" == s.turns[0].error
+    assert 0 <= s.turns[0].env_latency_s < 60 and s.future is None and s.status == FINISHED
+    eng, (s,), _, _ = _mt_engine(stub, cfg, mt.__class__(**{**mt.__dict__, "step_timeout_s": 0.0}), [[3, 4]],
+                                 [[("b", 0, False, {})]], 40, 1, runner=SyncRunner(pending={0}))
+    eng.run()
+    assert s.stop == "env_timeout" and 0 <= s.turns[0].env_latency_s < 60
