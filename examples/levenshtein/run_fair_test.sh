@@ -16,10 +16,14 @@ FT="python examples/levenshtein/fair_test.py"
 if [ "$1" = start ]; then
   # stage 0: copy, from tiny-sft (the first task; it failed the gate); stage 1: Squeeze, from the copy model
   [ -d "$R/copy" ] || ebpo train recipes/sft_tiny_lev_fair.yaml trainer.run_dir="$R/copy-run" trainer.export_dir="$R/copy"
-  [ -d "$R/squeeze1" ] || ebpo train recipes/sft_tiny_lev_fair_squeeze.yaml model="$R/copy" \
-    trainer.run_dir="$R/squeeze1-run" trainer.export_dir="$R/squeeze1"
-  [ -d "$START" ] || ebpo train recipes/sft_tiny_lev_fair_squeeze.yaml model="$R/squeeze1" trainer.seed=1 \
-    trainer.run_dir="$START-run" trainer.export_dir="$START"
+  # three 1,000-step runs of the Squeeze recipe, each from the last (seeds 0, 1, 2; a fresh warm-up each)
+  prev=$R/copy
+  for k in 0 1 2; do
+    out=$R/squeeze$k; [ "$k" = 2 ] && out=$START
+    [ -d "$out" ] || ebpo train recipes/sft_tiny_lev_fair_squeeze.yaml model="$prev" trainer.seed=$k \
+      trainer.run_dir="$out-run" trainer.export_dir="$out"
+    prev=$out
+  done
   $FT gate "$START" --out "$R/start.json"
   exit 0
 fi
