@@ -279,8 +279,12 @@ def ref_output(rs: RefSeq, M: int, K: int) -> dict:
 
 
 class StubTokenizer:
-    """Token ids <-> text: ordinary id t is the letter chr(97 + t); [MASK] and EOS are special (skipped);
-    `tool` (an id) decodes to "</tool_call>". Text encodes letter by letter (other characters: id 0)."""
+    """Token ids <-> text: id t is the letter chr(97 + t); [MASK], EOS and id 8 are special tokens: dropped with
+    skip_special_tokens, else written as <t>; `tool` (an id) decodes to "</tool_call>". Text encodes letter by
+    letter (other characters, and the letters of special or edit-control ids: id 0); add_special_tokens (the
+    Hugging Face default) puts a BOS-like id 9 first."""
+
+    SPECIAL = (MASK, EOS, 8)
 
     def __init__(self, tool: int | None = None):
         self.tool = tool
@@ -288,15 +292,17 @@ class StubTokenizer:
     def decode(self, ids, skip_special_tokens=False):  # a Hugging Face tokenizer's default
         out = []
         for t in ids:
-            if t in (MASK, EOS) and skip_special_tokens:
+            if t in self.SPECIAL:
+                if not skip_special_tokens:
+                    out.append(f"<{t}>")
                 continue
             out.append("</tool_call>" if t == self.tool else chr(97 + t))
         return "".join(out)
 
-    def __call__(self, text, add_special_tokens=False):
-        ids = [ord(c) - 97 if "a" <= c <= chr(97 + V - 1) and ord(c) - 97 not in (MASK, EOS, DEL_ID, INS_ID) else 0
+    def __call__(self, text, add_special_tokens=True):
+        ids = [ord(c) - 97 if "a" <= c <= chr(97 + V - 1) and ord(c) - 97 not in self.SPECIAL + (DEL_ID, INS_ID) else 0
                for c in text]
-        return {"input_ids": ids}
+        return {"input_ids": ([9] if add_special_tokens else []) + ids}
 
 
 def ref_multiturn(stub: StubModel, prompt: list[int], step, cfg, mt, tok: StubTokenizer, T: int) -> dict:
@@ -351,10 +357,10 @@ def ref_multiturn(stub: StubModel, prompt: list[int], step, cfg, mt, tok: StubTo
         if len(out["turns"]) >= mt.max_turns:
             out["stop"] = "max_turns"
             return out
-        ids = tok(mt.observation_template.format(observation=obs or ""))["input_ids"]
+        ids = tok(mt.observation_template.format(observation=obs or ""), add_special_tokens=False)["input_ids"]
         lo = end
         if lo + len(ids) + 1 > budget:
-            empty = len(tok(mt.observation_template.format(observation=""))["input_ids"])
+            empty = len(tok(mt.observation_template.format(observation=""), add_special_tokens=False)["input_ids"])
             if lo + empty + 1 > budget:
                 out["stop"] = "max_total_tokens"
             else:

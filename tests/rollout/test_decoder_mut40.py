@@ -117,6 +117,7 @@ ONE = "generate: `prompts` must be a list of prompts (token-id lists or strings)
     (["ab"], {}, "generate: prompts[0] is text; pass tokenizer= to encode it"),
     ([[3], [3, V, V + 1, 4]], {}, f"generate: prompts[1] holds token ids outside [0, {V}): [{V}, {V + 1}]"),
     ([[-1, 3]], {}, f"generate: prompts[0] holds token ids outside [0, {V}): [-1]"),
+    ([[3, -1, -2, V, -3, -4, -5, -6]], {}, f"generate: prompts[0] holds token ids outside [0, {V}): [-1, -2, {V}, -3, -4]"),
     ([[3], [4]], {"seeds": [1]}, "generate: seeds needs one per prompt (2), got 1"),
     ([[3], [4]], {"generators": [torch.Generator()]}, "generate: generators needs one per prompt (2), got 1"),
     ([[3], [4]], {"max_new_tokens": [3]}, "generate: max_new_tokens needs one length >= 1 per prompt (2), got [3]"),
@@ -207,3 +208,16 @@ def test_on_step_events_and_progress(capsys):
         assert mine[-1].canvas[len(PROMPTS[i]):len(PROMPTS[i]) + len(o.token_ids)] == o.token_ids
     assert "decode: 2/2 sequences done" in capsys.readouterr().err
     assert MASK not in outs[0].token_ids
+
+
+def test_generators_live_on_the_cpu_unless_the_model_is_on_cuda():
+    """Seeded generators are made on the model's device only for CUDA; any other device (here `meta`, which has
+    no generator) gets CPU generators, seeded with the given seeds."""
+    from rollout.decoder import _make_generators
+
+    gens = _make_generators(2, [5, 6], None, 1.0, torch.device("meta"))
+    assert [g.device.type for g in gens] == ["cpu", "cpu"]
+    assert [g.initial_seed() for g in gens] == [5, 6]
+    assert _make_generators(2, [5, 6], None, 0.0, torch.device("meta")) is None
+    fresh = _make_generators(3, None, None, 0.5, torch.device("cpu"))
+    assert len({g.initial_seed() for g in fresh}) == 3

@@ -422,15 +422,22 @@ def test_multiturn_turns_match_the_reference(name, dec):
     cfg = _cfg(dec)
     prompts = [[3, 4, 5], [6] * 8, [7, 8, 9, 3, 4]]
     T = 64
-    turns_seen = []
-    eng, seqs, envs, tok = _mt_engine(stub, cfg, mt, prompts, [script] * 3, T, tool=9,
-                                      on_turn=lambda i, t: turns_seen.append((i, t.index)))
+    turns_seen, events = [], []
+    eng, seqs, envs, tok = _mt_engine(stub, cfg, mt, prompts, [script] * 3, T, tool=7,
+                                      on_turn=lambda i, t: turns_seen.append((i, t.index)), on_step=events.append)
     eng.run()
     probe = ScriptEnv(script)
     for s, p, env in zip(seqs, prompts, envs):
         ref = ref_multiturn(stub, p, probe.answer, cfg, mt, tok, T)
         _check_trajectory(s, ref, env)
         assert s.status == FINISHED and s.end_time > 0
+        # every forward's event shows the canvas up to the end of the current turn's last block
+        mine = [e for e in events if e.seq == s.id]
+        # (a trajectory finishes when its environment answers, never inside a forward)
+        assert len(mine) == s.forwards and not any(e.finished for e in mine)
+        for e, snap in zip(mine, ref["rs"].snapshots):
+            assert type(e.canvas) is list and len(e.canvas) % K == 0 and len(e.canvas) >= (e.block + 1) * K
+            assert e.canvas == snap[:len(e.canvas)]
     assert sorted(turns_seen) == sorted((i, t.index) for i, s in enumerate(seqs) for t in s.turns
                                         if t.error is None)
 
