@@ -30,13 +30,15 @@ fi
 
 s=$2
 lev=$START; ctl=$START
-for c in $(seq 1 "$MAX_CHUNKS"); do
-  ebpo train recipes/sft_tiny_lev_fair_lev.yaml model="$lev" trainer.seed=$((100 * s + c)) trainer.steps="$CHUNK" \
-    trainer.run_dir="$R/lev-s$s-c$c-run" trainer.export_dir="$R/lev-s$s-c$c"
-  ebpo train recipes/sft_tiny_lev_fair_lev.yaml model="$ctl" objective.lev_weight=0 trainer.seed=$((100 * s + c)) \
-    trainer.steps="$CHUNK" trainer.run_dir="$R/control-s$s-c$c-run" trainer.export_dir="$R/control-s$s-c$c"
+for c in $(seq 1 "$MAX_CHUNKS"); do  # a chunk already exported (and its labels) is kept: a rerun with more chunks goes on
+  [ -d "$R/lev-s$s-c$c" ] || ebpo train recipes/sft_tiny_lev_fair_lev.yaml model="$lev" trainer.seed=$((100 * s + c)) \
+    trainer.steps="$CHUNK" trainer.run_dir="$R/lev-s$s-c$c-run" trainer.export_dir="$R/lev-s$s-c$c"
+  [ -d "$R/control-s$s-c$c" ] || ebpo train recipes/sft_tiny_lev_fair_lev.yaml model="$ctl" objective.lev_weight=0 \
+    trainer.seed=$((100 * s + c)) trainer.steps="$CHUNK" trainer.run_dir="$R/control-s$s-c$c-run" \
+    trainer.export_dir="$R/control-s$s-c$c"
   lev=$R/lev-s$s-c$c; ctl=$R/control-s$s-c$c
-  $FT labels "$lev" --start "$R/start.json" | tee "$R/labels-s$s-c$c.json"
+  [ -s "$R/labels-s$s-c$c.json" ] || $FT labels "$lev" --start "$R/start.json" > "$R/labels-s$s-c$c.json"
+  cat "$R/labels-s$s-c$c.json"
   python -c "import json,sys; a=json.load(open(sys.argv[1]))['own_edit_acc']; sys.exit(0 if a >= 0.8 else 1)" \
     "$R/labels-s$s-c$c.json" && break
 done
