@@ -185,6 +185,8 @@ def main() -> None:
     ap.add_argument("--train", default=TRAIN, help="training rows (jsonl), for the rollout shares")
     ap.add_argument("--rollout-prompts", type=int, default=64, help="table: training prompts x 4 rollouts (0 = none)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cache", default=None, help="table: keep each model's numbers in DIR/NAME.json and reuse them "
+                    "(same model path) on a later call")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = load_rows(args.eval)[: args.rows]
@@ -205,7 +207,14 @@ def main() -> None:
     results = {}
     for spec in args.models:
         name, path = spec.split("=", 1)
-        results[name] = evaluate_model(path, rows, start, train_rows)
+        cached = Path(args.cache) / f"{name}.json" if args.cache else None
+        if cached is not None and cached.exists() and json.loads(cached.read_text())["model"] == path:
+            results[name] = json.loads(cached.read_text())
+        else:
+            results[name] = evaluate_model(path, rows, start, train_rows)
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                cached.write_text(json.dumps(results[name]) + "\n")
         print(json.dumps({k: v for k, v in results[name].items() if k not in ("kinds", "texts")}), flush=True)
     print(markdown(results))
     if args.out:
