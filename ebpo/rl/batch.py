@@ -35,9 +35,12 @@ def reward_metrics(scores: torch.Tensor, group_ids: torch.Tensor, per_fn: dict[s
 
 
 def rollout_metrics(samples: list[RolloutSample], max_new_tokens: int, seconds: float) -> dict:
-    """`response_length/{mean,max,clip_ratio}`, `decode/{tpf,forwards,edits_per_seq}`, `perf/rollout_tokens_per_s`.
+    """`response_length/{mean,max,clip_ratio}`, `decode/{tpf,forwards,edits_per_seq,lev_share}`,
+    `perf/rollout_tokens_per_s`.
 
-    clip_ratio: fraction of responses that reached max_new_tokens without producing EOS.
+    clip_ratio: fraction of responses that reached max_new_tokens without producing EOS. lev_share: fraction of
+    responses with at least one DELETE / INSERT block (a pre-edit draft in `lev_drafts`): the only rollouts where
+    L-EBPO's ratio differs from EBPO's.
     """
     lengths = [len(s.token_ids) for s in samples]
     clipped = [(not s.finished_by_eos) and len(s.token_ids) >= max_new_tokens for s in samples]
@@ -50,6 +53,7 @@ def rollout_metrics(samples: list[RolloutSample], max_new_tokens: int, seconds: 
         "decode/tpf": sum(lengths) / max(sum(forwards), 1),
         "decode/forwards": sum(forwards) / n,
         "decode/edits_per_seq": sum(s.num_edits for s in samples) / n,
+        "decode/lev_share": sum(bool(s.lev_drafts) for s in samples) / n,
         "perf/rollout_tokens_per_s": sum(lengths) / max(seconds, 1e-9),
     }
 

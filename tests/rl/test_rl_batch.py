@@ -30,6 +30,16 @@ def test_rollout_metrics_clip_ratio_and_tpf():
     m = rollout_metrics(samples, max_new_tokens=4, seconds=2.0)
     assert m["response_length/clip_ratio"] == 0.5 and m["decode/tpf"] == 7 / 4
     assert m["perf/rollout_tokens_per_s"] == 3.5 and m["decode/edits_per_seq"] == 0.5
+    assert m["decode/lev_share"] == 0.0
+
+
+def test_rollout_metrics_lev_share_counts_responses_with_a_levenshtein_block():
+    def sample(drafts):
+        return RolloutSample(token_ids=[3, 1], text="", tpf=1.0, finished_by_eos=True, num_forwards=2, num_edits=0,
+                             lev_drafts=drafts)
+    # 2 of 5 responses carry pre-edit drafts (one of them two blocks): the share counts responses, not blocks
+    samples = [sample([]), sample([[0, [5, 6]]]), sample([]), sample([[0, [5]], [16, [7]]]), sample([])]
+    assert rollout_metrics(samples, max_new_tokens=4, seconds=1.0)["decode/lev_share"] == 2 / 5
 
 
 def test_first_groups_keeps_the_first_k_true_entries_like_a_loop():

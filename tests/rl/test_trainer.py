@@ -13,7 +13,7 @@ from ebpo.rl.config import RLConfig  # noqa: E402
 DESIGN_METRICS = [
     "reward/mean", "reward/std", "reward/math/mean", "reward/timeouts", "reward/errors", "frac_zero_std_groups",
     "response_length/mean", "response_length/max", "response_length/clip_ratio",
-    "decode/tpf", "decode/forwards", "decode/edits_per_seq",
+    "decode/tpf", "decode/forwards", "decode/edits_per_seq", "decode/lev_share",
     "actor/pg_loss", "actor/clipfrac_low", "actor/clipfrac_high", "actor/clipfrac_dual", "actor/log_ratio_mean",
     "actor/kl",
     "actor/grad_norm", "actor/lr",
