@@ -150,7 +150,10 @@ class StubTokenizer:
                         if not (skip_special_tokens and int(t) in (EOS, MASK)))
 
     def __call__(self, text, add_special_tokens=True):
-        """As a Hugging Face tokenizer, special tokens (here a leading 33) are added unless told not to."""
+        """As a Hugging Face tokenizer, special tokens (here a leading 33) are added unless told not to; the flag
+        must be a bool (the fast tokenizers raise TypeError for None)."""
+        if not isinstance(add_special_tokens, bool):
+            raise TypeError(f"{add_special_tokens!r} is not an instance of 'bool'")
         ids = [33 + sum(piece.encode()) % 13 for piece in PIECE.findall(text)]
         return {"input_ids": ([33] if add_special_tokens else []) + ids}
 
