@@ -7,6 +7,7 @@ they bound, drain / export / adopt, and multi-turn rollouts (turn ends, observat
 timeouts, pausing while a sequence waits). Each test runs in well under a second (issue 40's mutation run of
 rollout/engine.py)."""
 import concurrent.futures
+import pickle
 import re
 
 import pytest
@@ -272,11 +273,12 @@ def test_weight_versions_bound_the_mbe_window():
     assert plain.x != rs.x or plain.edit_log != rs.edit_log  # the boundary mattered here
 
 
-def test_drain_export_adopt_continues_in_another_engine():
+@pytest.mark.parametrize("name", ["mbe-1", "speed-early-commit", "lev"])
+def test_drain_export_adopt_continues_in_another_engine(name):
     """Drain stops every row at a block boundary (no admission meanwhile), export hands over the active ones
-    (canvas, trace copied) and the queued ones, adopt continues them elsewhere: the tokens are those of an
-    uninterrupted decode."""
-    stub, cfg = _stub("mbe-1"), _cfg("mbe-1")
+    (canvas, trace copied) and the queued ones, adopt continues them elsewhere, in slots a finished sequence used
+    before (its cache rows and block counters start afresh): the tokens are those of an uninterrupted decode."""
+    stub, cfg = _stub(name), _cfg(name)
     prompts, lens = PROMPTS[:4], [9, 9, 9, 9]
     eng, seqs = _run_engine(stub, cfg, prompts, lens, 2)
     for _ in range(5):
@@ -289,13 +291,15 @@ def test_drain_export_adopt_continues_in_another_engine():
     assert all(s.slot is None for s in out)
     assert [len(s.canvas) for s in out[:2]] == [eng.T, eng.T] and out[2].status == QUEUED
     other = Engine(stub, cfg, max_batch=3, canvas_len=eng.T)
-    other.submit([9], max_new_tokens=3)
+    first = other.submit([9, 9, 9, 9, 9], max_new_tokens=11)
+    other.run()
+    assert other.cache.lengths[0] > 0 and first.status == FINISHED
     with pytest.raises(ValueError, match=exact("Engine.adopt: sequence 0 is not at a block boundary (status decoding)")):
         Engine(stub, cfg, max_batch=1, canvas_len=eng.T).adopt(Sequence_at_mid_block(out[0]))
     for s in out:
         other.adopt(s)
-    assert [s.id for s in out] == [1, 2, 3, 4] and len(other.queue) == 3
-    other.run()
+    assert [s.id for s in out] == [1, 2, 3, 4] and len(other.queue) == 2
+    assert other.run() == [first] + out
     for s, p, m in zip(out, prompts, lens):
         rs = ref_single(stub, p, m, cfg)
         assert s.canvas == rs.x and s.trace == rs.trace and s.forwards == rs.forwards and s.edit_log == rs.edit_log
@@ -398,6 +402,8 @@ def _check_trajectory(s, ref, env):
             assert (t.reward, t.done) == (r["reward"], r["done"])
     assert env.seen == [r["text"] for r in ref["turns"]]
     assert [t.index for t in s.turns] == list(range(len(s.turns)))
+    assert s.future is None  # the step's answer was taken (a finished sequence pickles without waiting)
+    assert pickle.loads(pickle.dumps(s)).turns == s.turns
 
 
 MT_CASES = {
@@ -675,13 +681,14 @@ def test_compiled_step_bookkeeping_multiturn_and_adopt(recording_static):
 def test_a_waiting_trajectory_adopted_into_a_longer_canvas_goes_on_as_before():
     """A multi-turn sequence exported while its environment step is pending and adopted by an engine with a longer
     canvas: its per-position turn records are padded to that canvas, the step's answer is taken there, and the
-    trajectory ends exactly as the reference on that canvas (same budget)."""
-    stub = StubModel(K=K, seed=3, eos_rate=0.05)
+    trajectory ends exactly as the reference on that canvas: its observations and turns reach past the first
+    engine's canvas (never-written positions keep trace -1)."""
+    stub = StubModel(K=K, seed=3, eos_rate=0.0)
     cfg = _cfg("quality")
-    mt = MultiTurnConfig(max_turn_tokens=6, max_turns=3, max_total_tokens=40, stop_at_tool_call=False,
+    mt = MultiTurnConfig(max_turn_tokens=6, max_turns=3, max_total_tokens=48, stop_at_tool_call=False,
                          observation_template="jk{observation}")
     runner = SyncRunner(pending={0})
-    script = [("de", 0.5, False, {})]
+    script = [("defghdefgh", 0.5, False, {})]
     eng, (s,), (env,), tok = _mt_engine(stub, cfg, mt, [[3, 4, 5]], [script], 40, 1, runner=runner)
     eng.run_until(lambda: s.status == WAITING)
     eng.drain()
@@ -695,7 +702,7 @@ def test_a_waiting_trajectory_adopted_into_a_longer_canvas_goes_on_as_before():
     other.run()
     ref = ref_multiturn(stub, [3, 4, 5], ScriptEnv(script).answer, cfg, mt, tok, 48)
     _check_trajectory(s, ref, env)
-    assert s.stop == "max_turns"
+    assert s.stop == "max_turns" and s.turns[1].obs_end > 40 and s.length == 48
 
 
 def test_generate_sizes_the_compiled_step_s_canvas(recording_static):
@@ -754,3 +761,30 @@ def test_failed_steps_record_how_long_they_ran():
                                  [[("b", 0, False, {})]], 40, 1, runner=SyncRunner(pending={0}))
     eng.run()
     assert s.stop == "env_timeout" and 0 <= s.turns[0].env_latency_s < 60
+
+
+@pytest.mark.parametrize("budget, stop", [(12, "max_turns"), (11, "observation_overflow"), (10, "max_total_tokens")])
+def test_an_observation_must_leave_room_for_one_more_token(budget, stop):
+    """After a turn ending at position 8, an observation of 3 tokens (template "jk" + one letter; the bare template
+    is 2) is appended only when at least one position stays free for the next turn within max_total_tokens
+    (8 + 3 + 1 <= budget); else the trajectory ends, "max_total_tokens" when not even the bare template could have
+    fitted (8 + 2 + 1 > budget), "observation_overflow" otherwise. An observation of None is the bare template."""
+    stub = StubModel(K=K, seed=1, eos_rate=0.0)
+    cfg = _cfg("quality", max_post_steps=0)
+    mt = MultiTurnConfig(max_turn_tokens=4, max_turns=2, max_total_tokens=budget, stop_at_tool_call=False,
+                         observation_template="jk{observation}")
+    script = [("d", 0.0, False, {})]
+    eng, (s,), (env,), tok = _mt_engine(stub, cfg, mt, [[3, 4, 5, 6]], [script], 16, 1)
+    eng.run()
+    ref = ref_multiturn(stub, [3, 4, 5, 6], ScriptEnv(script).answer, cfg, mt, tok, 16)
+    _check_trajectory(s, ref, env)
+    assert s.stop == stop and s.turns[0].end == 8
+    if stop == "max_turns":
+        assert (s.turns[0].obs_start, s.turns[0].obs_end) == (8, 11) and s.turns[1].start == 11
+    script = [(None, 0.0, False, {})]
+    eng, (s,), (env,), tok = _mt_engine(stub, cfg, mt, [[3, 4, 5, 6]], [script], 16, 1)
+    eng.run()
+    _check_trajectory(s, ref_multiturn(stub, [3, 4, 5, 6], ScriptEnv(script).answer, cfg, mt, tok, 16), env)
+    assert s.stop == ("max_total_tokens" if budget == 10 else "max_turns")
+    if budget > 10:
+        assert s.turns[0].obs_end == 10 and s.canvas[8:10] == [9, 0]
