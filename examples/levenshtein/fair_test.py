@@ -4,6 +4,7 @@
     python examples/levenshtein/fair_test.py labels MODEL [MODEL ...] --start runs/fair/start.json
     python examples/levenshtein/fair_test.py table --start runs/fair/start.json NAME=MODEL [NAME=MODEL ...] \
         --out docs/bench/lev_fair_cpu.json
+    python examples/levenshtein/fair_test.py curve runs/fair --out docs/bench/lev_fair_labels.png
 
 Every decode is Speedy (`speed` preset: tau_mask 0.5, tau_edit 0), greedy, 48 new tokens, DELETE / INSERT at 0.5
 (at most 2 per block and round), in the model's own blocks, on the 500 held-out rows of
@@ -175,9 +176,41 @@ def markdown(results: dict[str, dict]) -> str:
     return "".join(lines)
 
 
+def label_curve(run_dir: str, out_png: str) -> dict:
+    """Held-out DELETE / INSERT label accuracy per chunk and seed, from run_fair_test.sh's labels-sS-cC.json files
+    in `run_dir`; plotted to `out_png` (mean over seeds, each seed faint). Returns {op: {seed: [acc per chunk]}}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves: dict[str, dict[int, list[float]]] = {"delete": {}, "insert": {}}
+    for f in sorted(Path(run_dir).glob("labels-s*-c*.json"), key=lambda p: [int(x) for x in re.findall(r"\d+", p.name)]):
+        seed = int(re.search(r"-s(\d+)-", f.name).group(1))
+        last = json.loads(f.read_text().strip().splitlines()[-1])
+        for op in curves:
+            curves[op].setdefault(seed, []).append(last[f"own_{op}_acc"])
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for op, color in (("delete", "tab:blue"), ("insert", "tab:red")):
+        per_seed = list(curves[op].values())
+        n = min(map(len, per_seed))
+        for c in per_seed:
+            ax.plot(range(1, len(c) + 1), c, color=color, alpha=0.25)
+        ax.plot(range(1, n + 1), [sum(c[i] for c in per_seed) / len(per_seed) for i in range(n)], color=color,
+                marker="o", label=f"{op.upper()} (mean of {len(per_seed)} seeds)")
+    ax.axhline(0.8, color="gray", ls="--", lw=1, label="stopping bar 0.8")
+    ax.set_xlabel("Levenshtein SFT chunk (100 steps)")
+    ax.set_ylabel("held-out label accuracy")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    return curves
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=("gate", "labels", "table"))
+    ap.add_argument("command", choices=("gate", "labels", "table", "curve"))
     ap.add_argument("models", nargs="+", help="gate / labels: model folders; table: NAME=MODEL")
     ap.add_argument("--start", default=None, help="the gate's JSON (labels, table)")
     ap.add_argument("--rows", type=int, default=500)
@@ -188,6 +221,9 @@ def main() -> None:
     ap.add_argument("--cache", default=None, help="table: keep each model's numbers in DIR/NAME.json and reuse them "
                     "(same model path) on a later call")
     args = ap.parse_args()
+    if args.command == "curve":  # models[0]: the run folder of run_fair_test.sh; --out: the PNG
+        print(json.dumps(label_curve(args.models[0], args.out or "lev_fair_labels.png")))
+        return
     torch.manual_seed(0)
     rows = load_rows(args.eval)[: args.rows]
     if args.command == "gate":
