@@ -5,6 +5,7 @@
     python examples/levenshtein/fair_test.py table --start runs/fair/start.json NAME=MODEL [NAME=MODEL ...] \
         --out docs/bench/lev_fair_cpu.json
     python examples/levenshtein/fair_test.py curve runs/fair --out docs/bench/lev_fair_labels.png
+    python examples/levenshtein/fair_test.py probe MODEL [MODEL ...] --start runs/fair/start.json
 
 Every decode is Speedy (`speed` preset: tau_mask 0.5, tau_edit 0), greedy, 48 new tokens, DELETE / INSERT at 0.5
 (at most 2 per block and round), in the model's own blocks, on the 500 held-out rows of
@@ -123,6 +124,29 @@ def label_accuracy(model_path: str, rows: list[dict], start_texts: list[str]) ->
     return out
 
 
+@torch.no_grad()
+def edit_probabilities(model_path: str, rows: list[dict], start_texts: list[str], limit: int = 200) -> dict:
+    """Mean / max probability of DELETE and INSERT at their labels, and their mean elsewhere in the editable blocks,
+    over the start's first `limit` wrong answers (the `labels` drafts): how far an edit is from being the argmax."""
+    from ebpo.core.lev_objective import block_labels
+    from ebpo.core.objectives import noisy_half_hidden
+
+    model, tok = load_model(model_path).eval(), load_model_tokenizer(model_path)
+    cfg = model.config
+    wrong = [i for i, (t, r) in enumerate(zip(start_texts, rows)) if t != r["answer"]][:limit]
+    clean, draft, editable = own_drafts(tok, [rows[i] for i in wrong], [start_texts[i] for i in wrong],
+                                        cfg.block_size, cfg.mask_token_id)
+    labels = block_labels(draft, clean, cfg.block_size, cfg.mask_token_id, cfg.delete_token_id, cfg.insert_token_id)
+    probs = model.lm_head(noisy_half_hidden(model, draft, clean, cfg.block_size)).float().softmax(-1)
+    out = {"model": model_path, "drafts": len(wrong)}
+    for op, tid in (("delete", cfg.delete_token_id), ("insert", cfg.insert_token_id)):
+        at, rest = editable & labels.eq(tid), editable & ~labels.eq(tid)
+        p = probs[..., tid]
+        out.update({f"{op}_labels": int(at.sum()), f"{op}_p_at_label": float(p[at].mean()),
+                    f"{op}_p_max_at_label": float(p[at].max()), f"{op}_p_elsewhere": float(p[rest].mean())})
+    return out
+
+
 def rollout_shares(model_path: str, rows: list[dict], samples: int = 4) -> dict:
     """Temperature-1 rollouts (ROLLOUT decoding, seeds 0..): share with a DELETE / INSERT, and with one and right."""
     reps = [r for r in rows for _ in range(samples)]
@@ -210,7 +234,7 @@ def label_curve(run_dir: str, out_png: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=("gate", "labels", "table", "curve"))
+    ap.add_argument("command", choices=("gate", "labels", "table", "curve", "probe"))
     ap.add_argument("models", nargs="+", help="gate / labels: model folders; table: NAME=MODEL")
     ap.add_argument("--start", default=None, help="the gate's JSON (labels, table)")
     ap.add_argument("--rows", type=int, default=500)
@@ -235,6 +259,10 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"model": args.models[0], **res}) + "\n")
         return
     start = json.loads(Path(args.start).read_text())
+    if args.command == "probe":
+        for m in args.models:
+            print(json.dumps(edit_probabilities(m, rows, start["texts"])), flush=True)
+        return
     if args.command == "labels":
         for m in args.models:
             print(json.dumps({"model": m, **label_accuracy(m, rows, start["texts"])}), flush=True)
