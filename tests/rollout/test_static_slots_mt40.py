@@ -37,6 +37,14 @@ def _decode(case, static, max_batch):
     cfg = DecodeConfig.preset(opts.pop("preset"), max_new_tokens=18, compiled_step=static, **opts)
     model = StubLM(rule, margin=margin, lev=lev)
     engine = Engine(model, cfg, max_batch=max_batch, canvas_len=48)
+    engine.iterations = 0  # scheduler iterations that ran a forward (the eager loop: one model call each)
+    forward = engine._forward
+
+    def counted(ready):
+        engine.iterations += 1
+        return forward(ready)
+
+    engine._forward = counted
     for i, p in enumerate(PROMPTS):
         g = torch.Generator().manual_seed(100 + i) if cfg.temperature > 0 else None
         engine.submit(p, g)
@@ -52,6 +60,8 @@ def test_the_compiled_step_decodes_what_the_eager_loop_decodes(case, max_batch):
     static, model, got = _decode(case, True, max_batch)
     assert got == want
     assert static.row_forwards == eager.row_forwards
+    # the same schedule: MBE rows take their pass in the iteration they are ready, beside the step's block rows
+    assert static.iterations == eager.iterations == eager.num_forwards
     if case < 7:  # with MBE the step and the eager MBE rows of one iteration are two model calls
         assert static.num_forwards == eager.num_forwards
     assert static.row_forwards == sum(s.forwards for s in static.sequences)
