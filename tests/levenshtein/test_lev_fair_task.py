@@ -114,6 +114,42 @@ def test_copy_task_files_are_the_generators_output_and_never_hold_a_training_pro
     assert all(r["prompt"] == "Copy: " + r["answer"] for r in train + held)
 
 
+def _squeeze(s: str) -> str:
+    """Every run of a repeated letter squeezed to one, by a plain loop (the task's rule)."""
+    out = ""
+    for c in s:
+        if not out or out[-1] != c:
+            out += c
+    return out
+
+
+def test_squeeze_rows_follow_the_rule_and_the_shipped_files_are_the_generators_output():
+    old_train = {json.loads(line)["prompt"] for line in (ROOT / "examples/data/lev_fair_train.jsonl").open()}
+    train, held = lev_fair.make_splits(10000, 500, seed=0, min_len=12, max_len=32, kinds=("Squeeze",),
+                                       exclude=frozenset(old_train))
+    for name, rows in (("lev_fair_squeeze_train", train), ("lev_fair_squeeze_eval", held)):
+        assert (ROOT / "examples/data" / f"{name}.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in rows)
+    runs = []
+    for r in train + held:
+        kind, src = r["prompt"].split(": ")
+        assert kind == "Squeeze" and r["answer"] == r["response"] == _squeeze(src)
+        assert 12 <= len(r["answer"]) <= 32 and set(src) <= set(lev_fair.ALPHABET)
+        i = 0
+        while i < len(src):  # every run is 1 or 2 letters long
+            j = i
+            while j < len(src) and src[j] == src[i]:
+                j += 1
+            runs.append(j - i)
+            i = j
+    assert set(runs) == {1, 2} and 0.4 < runs.count(2) / len(runs) < 0.6  # doubled with probability 1/2
+    assert not {r["prompt"] for r in held} & ({r["prompt"] for r in train} | old_train)
+
+
+def test_squeeze_is_not_mixed_with_other_kinds():
+    with pytest.raises(ValueError, match="Squeeze"):
+        lev_fair.make_splits(3, 1, kinds=("Copy", "Squeeze"))
+
+
 def test_excluded_prompts_never_become_held_out(monkeypatch):
     monkeypatch.setattr(lev_fair, "ALPHABET", "ab")
     two = {f"Copy: {a}{b}" for a in "ab" for b in "ab"}
