@@ -340,3 +340,23 @@ def test_step_keeps_to_the_canvas_device(cfg, lev):
     outcome, cur = step(*x.values())
     assert outcome.device.type == "meta" and outcome.shape == (B, 6) and cur.shape == (B, K)
     assert cache.write_pos.device.type == "meta"
+
+
+def test_outcome_columns_of_one_step():
+    """The step's outcome per slot: (block done, wrote, EOS, T2T edits, DELETEs, INSERTs). Slot 0 decodes a block of
+    masks (at least one M2T write), slot 1 takes no part, slot 2's block is full and T2T is off (nothing written)."""
+    B, K, T, H, V, MASK = 3, 4, 32, 3, 20, 7
+    model = RecordingModel(B, K, H, V, "cpu")
+    cache = SimpleNamespace(k=[torch.zeros(B, 1)], write_pos=None)
+    step = StaticDecodeStep(model, DecodeConfig(tau_edit=None, max_post_steps=2), K, T, MASK, {1}, cache, None)
+    x = _inputs(B, T, K, V, "cpu", [1, 1, 1])
+    x["canvas"][x["canvas"] == MASK] = 9
+    x["canvas"][0, K:2 * K] = MASK
+    x["canvas"][1, K:2 * K] = MASK
+    x["active"] = torch.tensor([True, False, True])
+    before = x["canvas"].clone()
+    outcome, cur = step(*x.values())
+    assert outcome[:, 1].tolist() == [1, 0, 0]  # wrote: only where an active slot wrote a token
+    assert (x["canvas"][0, K:2 * K] != MASK).sum() >= 1 and torch.equal(x["canvas"][1:], before[1:])
+    assert outcome[:, 3].tolist() == [0, 0, 0] and outcome[:, 4:].tolist() == [[0, 0]] * 3
+    assert torch.equal(cur, before[:, K:2 * K])
