@@ -66,8 +66,8 @@ class PartialRollouts:
                 min_version: int | None = None, due_version: int | None = None, tokenizer=None, mt=None,
                 runner=None) -> tuple[list, CollectStats]:
         """Decode until `quota` groups are complete, and every overdue group too; returns (their sequences, the
-        first `quota` groups to complete in completion order, then the overdue ones beyond them; members in
-        submission order; `CollectStats`).
+        first `quota` groups to complete in completion order, then the overdue ones beyond them; a group's members
+        in the order they finished; `CollectStats`).
 
         cfg: the `DecodeConfig`; version: the weights' version (recorded per block); max_batch: slots (0: all
         sequences at once); min_version: drop carried sequences whose oldest block is older; due_version: a group
