@@ -99,7 +99,8 @@ class StubLM(nn.Module):
         self.calls += 1
         self.log.append((type(cache).__name__, *input_ids.shape))
         B, L = input_ids.shape
-        pos = position_ids.expand(B, L) if position_ids is not None else torch.arange(L)[None].expand(B, L)
+        dev = input_ids.device  # every tensor on the inputs' device, as a real model keeps them
+        pos = position_ids.expand(B, L) if position_ids is not None else torch.arange(L, device=dev)[None].expand(B, L)
         k1 = ((input_ids.double() + 1) * (pos.double() + 1) + OFFSET)[..., None, None]  # (B, L, 1, 1)
 
         def attend(keys, keep):  # (B, S', 1, 1), (B|1, 1, L, S') -> (B, L)
@@ -110,23 +111,24 @@ class StubLM(nn.Module):
             keep = attention_mask
             k2 = attend(keys1, keep)[..., None, None]
             keys2, _ = cache.write(1, k2, k2)
-            kpos = torch.arange(keys1.shape[1])[None].expand(B, -1)  # the buffer slot is the position
+            kpos = torch.arange(keys1.shape[1], device=dev)[None].expand(B, -1)  # the buffer slot is the position
             kpos = torch.where(kpos < keys1.shape[1] - K, kpos, 10 ** 9)  # the spare tail: never an earlier block
         elif isinstance(cache, BlockKVCache):
             view = cache.begin(cache_rows)
             S = view.prefix_len
             keep = attention_mask
             if keep is None or keep.shape[-1] != S + L:
-                new = keep if keep is not None else torch.ones(1, 1, L, L, dtype=torch.bool)
+                new = keep if keep is not None else torch.ones(1, 1, L, L, dtype=torch.bool, device=dev)
                 keep = torch.cat([view.valid[:, None, None, :].expand(B, 1, L, S), new.expand(B, 1, L, L)], -1)
             cache.stage(0, k1, k1)
             keys1 = torch.cat([cache.prefix(0)[0].to(k1.dtype), k1], 1)
             k2 = attend(keys1, keep)[..., None, None]
             cache.stage(1, k2, k2)
             keys2 = torch.cat([cache.prefix(1)[0].to(k2.dtype), k2], 1)
-            kpos = torch.cat([torch.arange(S)[None].expand(B, S), pos], 1)
+            kpos = torch.cat([torch.arange(S, device=dev)[None].expand(B, S), pos], 1)
         else:
-            keep = attention_mask if attention_mask is not None else torch.ones(1, 1, L, L, dtype=torch.bool)
+            keep = attention_mask if attention_mask is not None else torch.ones(1, 1, L, L, dtype=torch.bool,
+                                                                                    device=dev)
             keys1, k2 = k1, attend(k1, keep)[..., None, None]
             keys2, kpos = k2, pos
         earlier = (kpos[:, None, :] // K) < (pos[:, :, None] // K)  # (B, L, S')
