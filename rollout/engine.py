@@ -179,17 +179,19 @@ class Engine:
         """Continue a sequence exported by another engine (`export`) at its block boundary, under this
         engine's weights: its keys/values are recomputed from position 0 by its next forward (exactly what the
         block's conditional under the new version needs). Queued sequences are queued again."""
+        if s.status != QUEUED:  # refuse before recording it: a refused sequence is not this engine's
+            sid = len(self.sequences)
+            if not s.at_block_boundary:
+                raise ValueError(f"Engine.adopt: sequence {sid} is not at a block boundary (status {s.status})")
+            if len(s.canvas) > self.T and any(t != self.mask_id for t in s.canvas[self.T:]):
+                raise ValueError(f"Engine.adopt: sequence {sid} holds {len(s.canvas)} positions, the canvas {self.T}")
+            if not self.free:
+                raise ValueError("Engine.adopt: no free slot (adopt before submitting new sequences)")
         s.id = len(self.sequences)
         self.sequences.append(s)
         if s.status == QUEUED:
             self.queue.append(s)
             return s
-        if not s.at_block_boundary:
-            raise ValueError(f"Engine.adopt: sequence {s.id} is not at a block boundary (status {s.status})")
-        if len(s.canvas) > self.T and any(t != self.mask_id for t in s.canvas[self.T:]):
-            raise ValueError(f"Engine.adopt: sequence {s.id} holds {len(s.canvas)} positions, the canvas {self.T}")
-        if not self.free:
-            raise ValueError("Engine.adopt: no free slot (adopt before submitting new sequences)")
         s.slot = r = self.free.pop(0)
         n = min(len(s.canvas), self.T)
         self.slots.canvas[r].fill_(self.mask_id)

@@ -322,10 +322,13 @@ def test_adopt_refuses_what_does_not_fit():
     assert out[0].canvas[8:] != [MASK] * (len(out[0].canvas) - 8)
     with pytest.raises(ValueError, match=exact("Engine.adopt: sequence 0 holds 16 positions, the canvas 8")):
         small.adopt(out[0])
+    assert small.sequences == [] and small.run() == []  # a refused sequence is not the engine's
     fresh = Engine(stub, cfg, max_batch=1, canvas_len=16)
     fresh.adopt(out[1])
     with pytest.raises(ValueError, match=exact("Engine.adopt: no free slot (adopt before submitting new sequences)")):
         fresh.adopt(out[0])
+    assert fresh.sequences == [out[1]] and out[1].id == 0
+    assert fresh.run() == [out[1]]  # the refused out[0] is not decoded or returned
     # a canvas longer than this engine's, masks only past it, fits
     short = Engine(stub, cfg, max_batch=1, canvas_len=16)
     s = out[0]
