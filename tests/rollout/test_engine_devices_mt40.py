@@ -3,33 +3,12 @@ under a `meta` default device exactly what it decodes without one (greedy, sampl
 The model and generators are built on the CPU first, as a GPU user's are on the GPU, and the engine under the
 `meta` default; a slot tensor or index created without the model's device would land on `meta` and fail where it
 meets the CPU model (issue 40's device mutants of engine.py, which only a second device shows otherwise)."""
-import contextlib
-
 import pytest
-import torch
 
-from rollout.config import DecodeConfig
-from rollout.engine import Engine
-from stub_model_mt40 import StubLM
-from test_static_slots_mt40 import CASES, PROMPTS
-
-
-def _run(case: int, max_batch: int, default_device: str | None):
-    opts, rule, margin, lev = CASES[case]
-    opts = dict(opts)
-    cfg = DecodeConfig.preset(opts.pop("preset"), max_new_tokens=18, compiled_step=False, **opts)
-    model = StubLM(rule, margin=margin, lev=lev)
-    gens = [torch.Generator().manual_seed(100 + i) if cfg.temperature > 0 else None for i in range(len(PROMPTS))]
-    with torch.device(default_device) if default_device else contextlib.nullcontext():
-        engine = Engine(model, cfg, max_batch=max_batch, canvas_len=48)  # its canvas and static cache too
-        for p, g in zip(PROMPTS, gens):
-            engine.submit(p, g)
-        seqs = engine.run()
-    return [(s.canvas, s.trace, s.forwards, s.edits, s.deletes, s.inserts, s.lev_drafts, s.mbe_edits)
-            for s in seqs]
+from test_static_slots_devices_mt40 import CASES, _run
 
 
 @pytest.mark.parametrize("max_batch", [2, 6])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_the_eager_engine_decodes_the_same_under_a_meta_default_device(case, max_batch):
-    assert _run(case, max_batch, "meta") == _run(case, max_batch, None)
+    assert _run(case, max_batch, "meta", compiled_step=False) == _run(case, max_batch, None, compiled_step=False)

@@ -21,10 +21,11 @@ def _eager_compiled_step(monkeypatch):
     monkeypatch.setattr(compiled, "COMPILE", False)
 
 
-def _run(case: int, max_batch: int, default_device: str | None):
+def _run(case: int, max_batch: int, default_device: str | None, compiled_step: bool = True):
+    """The sequences' outcomes of CASES[case] on the stub, the engine built and run under `default_device`."""
     opts, rule, margin, lev = CASES[case]
     opts = dict(opts)
-    cfg = DecodeConfig.preset(opts.pop("preset"), max_new_tokens=18, compiled_step=True, **opts)
+    cfg = DecodeConfig.preset(opts.pop("preset"), max_new_tokens=18, compiled_step=compiled_step, **opts)
     model = StubLM(rule, margin=margin, lev=lev)
     gens = [torch.Generator().manual_seed(100 + i) if cfg.temperature > 0 else None for i in range(len(PROMPTS))]
     with torch.device(default_device) if default_device else contextlib.nullcontext():
