@@ -74,7 +74,7 @@ class StaticDecodeStep:
 
     Mutated in place: canvas (B, T), trace (B, T), post_steps, block_iters (B,). Inputs built by the host each
     iteration: block, start (first writable position), limit (max new tokens), forwards (B,) long, active (B,)
-    bool, noise.
+    bool, noise (B, K, V) uniforms (`draw_noise`), or None when greedy (`cfg.temperature == 0` never reads it).
     """
 
     def __init__(self, model, cfg, K: int, T: int, mask_id: int, eos_ids: set[int], cache: StaticKVCache,

@@ -319,7 +319,8 @@ class Engine:
         self.after_block(s)
 
     def after_block(self, s: Sequence, eos: bool | None = None) -> None:
-        """Next block, end of turn or end of sequence, by the block's content."""
+        """Next block, end of turn or end of sequence, by the block's content (eos: whether the generated region
+        holds EOS, when the caller already knows; read for single-turn rows only, a turn's end reads its text)."""
         K = self.K
         if s.env is None:
             end = min(s.prompt_len + s.max_new, (s.block + 1) * K)

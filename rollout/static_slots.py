@@ -58,13 +58,17 @@ def static_forward(engine, ready: list) -> list:
         return ready
     st, B, dev = engine.static, engine.max_batch, engine.device
     by_slot = {s.slot: s for s in blocks}
-    host = [[0, 0, 0, 0, False] for _ in range(B)]  # block, start, limit, forwards, active
-    for r, s in by_slot.items():
-        host[r] = [s.block, s.start, s.max_new, s.forwards, True]
-    block, start, limit, forwards = (torch.tensor([h[i] for h in host], device=dev) for i in range(4))
-    active = torch.tensor([h[4] for h in host], device=dev)
+    rows = list(by_slot)
+    # block, start, limit, forwards of every slot; an inactive slot's values are never read (the step's writes
+    # are masked by `active`), so they stay 0
+    inputs = torch.zeros(4, B, dtype=torch.long, device="cpu")  # built on the host, then one copy each
+    inputs[:, rows] = torch.tensor([[s.block, s.start, s.max_new, s.forwards] for s in blocks], device="cpu").T
+    active = torch.zeros(B, dtype=torch.bool, device="cpu")
+    active[rows] = True
+    block, start, limit, forwards = inputs.to(dev)
+    active = active.to(dev)
     cfg = engine.cfg
-    noise = torch.zeros(1, 1, 1, device=dev)
+    noise = None  # a greedy step never reads noise (`StaticDecodeStep` takes None then)
     if cfg.temperature > 0:
         gens = [by_slot[r].generator if r in by_slot else None for r in range(B)]
         noise = draw_noise(gens, [r in by_slot for r in range(B)], (engine.K, engine.model.config.vocab_size), dev)
@@ -84,5 +88,6 @@ def static_forward(engine, ready: list) -> list:
         if n_del + n_ins:
             s.lev_drafts.setdefault(s.block, cur[r].tolist())
         if done:
-            engine.block_ended(s, eos=bool(eos) if s.env is None else None)
+            # the step's own flag: after_block then reads no canvas back (a multi-turn row's turn text does)
+            engine.block_ended(s, eos=bool(eos))
     return [s for s in ready if s.mbe_start is not None and s.slot not in by_slot]
