@@ -282,7 +282,8 @@ class StubTokenizer:
     """Token ids <-> text: id t is the letter chr(97 + t); [MASK], EOS and id 8 are special tokens: dropped with
     skip_special_tokens, else written as <t>; `tool` (an id) decodes to "</tool_call>". Text encodes letter by
     letter (other characters, and the letters of special or edit-control ids: id 0); add_special_tokens (the
-    Hugging Face default) puts a BOS-like id 9 first."""
+    Hugging Face default) puts a BOS-like id 9 first; as with the project's fast tokenizer, the flag must be a
+    bool (`PreTrainedTokenizerFast` raises TypeError for None)."""
 
     SPECIAL = (MASK, EOS, 8)
 
@@ -300,6 +301,8 @@ class StubTokenizer:
         return "".join(out)
 
     def __call__(self, text, add_special_tokens=True):
+        if not isinstance(add_special_tokens, bool):
+            raise TypeError(f"{add_special_tokens!r} is not an instance of 'bool'")
         ids = [ord(c) - 97 if "a" <= c <= chr(97 + V - 1) and ord(c) - 97 not in self.SPECIAL + (DEL_ID, INS_ID) else 0
                for c in text]
         return {"input_ids": ([9] if add_special_tokens else []) + ids}
