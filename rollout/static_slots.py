@@ -61,12 +61,11 @@ def static_forward(engine, ready: list) -> list:
     rows = list(by_slot)
     # block, start, limit, forwards of every slot; an inactive slot's values are never read (the step's writes
     # are masked by `active`), so they stay 0
-    inputs = torch.zeros(4, B, dtype=torch.long, device="cpu")  # built on the host, then one copy each
-    inputs[:, rows] = torch.tensor([[s.block, s.start, s.max_new, s.forwards] for s in blocks], device="cpu").T
-    active = torch.zeros(B, dtype=torch.bool, device="cpu")
+    inputs = torch.zeros(4, B, dtype=torch.long, device=dev)
+    inputs[:, rows] = torch.tensor([[s.block, s.start, s.max_new, s.forwards] for s in blocks], device=dev).T
+    block, start, limit, forwards = inputs
+    active = torch.zeros(B, dtype=torch.bool, device=dev)
     active[rows] = True
-    block, start, limit, forwards = inputs.to(dev)
-    active = active.to(dev)
     cfg = engine.cfg
     noise = None  # a greedy step never reads noise (`StaticDecodeStep` takes None then)
     if cfg.temperature > 0:
