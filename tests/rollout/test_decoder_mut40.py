@@ -221,3 +221,26 @@ def test_generators_live_on_the_cpu_unless_the_model_is_on_cuda():
     assert _make_generators(2, [5, 6], None, 0.0, torch.device("meta")) is None
     fresh = _make_generators(3, None, None, 0.5, torch.device("cpu"))
     assert len({g.initial_seed() for g in fresh}) == 3
+
+
+def test_generators_are_made_on_the_model_s_cuda_device(monkeypatch):
+    """A CUDA model's seeded generators are made on its device (its draws then stay there), each with its seed.
+    A CPU-only machine cannot make a CUDA generator, so `torch.Generator` is replaced here by a recorder of the
+    device asked for; the rule is the one test_generators_live_on_the_cpu_unless_the_model_is_on_cuda pins for
+    the other devices."""
+    import rollout.decoder as decoder
+
+    made = []
+
+    class Recorder:
+        def __init__(self, device=None):
+            made.append(device)
+
+        def manual_seed(self, seed):
+            self.seed = seed
+            return self
+
+    monkeypatch.setattr(decoder.torch, "Generator", Recorder)
+    cuda = torch.device("cuda", 1)
+    gens = decoder._make_generators(2, [5, 6], None, 1.0, cuda)
+    assert made == [cuda, cuda] and [g.seed for g in gens] == [5, 6]
