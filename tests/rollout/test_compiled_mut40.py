@@ -114,6 +114,18 @@ def test_draw_noise():
     assert meta.device.type == "meta" and meta.shape == (1, *shape)
 
 
+def test_draw_noise_draws_on_each_generator_s_device_whatever_the_default_device():
+    """Each row is drawn where its generator lives (a generator draws only on its own device), then moved to
+    `device`: under a `meta` default device, CPU generators still give the CPU draws (a draw on the default device
+    would be `meta`, with no values to move)."""
+    gens = [torch.Generator().manual_seed(s) for s in (8, 9)]
+    with torch.device("meta"):
+        out = draw_noise(gens, [True, True], (2, 3), "cpu")
+    assert out.device.type == "cpu"
+    for b, s in enumerate((8, 9)):
+        assert torch.equal(out[b], torch.rand((2, 3), generator=torch.Generator().manual_seed(s)))
+
+
 def test_draw_noise_draws_float32_as_the_eager_path_whatever_the_default_dtype():
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
