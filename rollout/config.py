@@ -52,8 +52,10 @@ class DecodeConfig:
     max_batch: most sequences that decode at once (0 = all of a call's prompts). A finished sequence's slot
         takes the next queued prompt at the next forward (continuous batching); tokens never depend on it.
     compiled_step: run each block iteration as one fixed-shape, host-sync-free step compiled with
-        `torch.compile(fullgraph=True)` (`rollout.compiled`; same tokens as the eager loop; no MBE, needs
-        the cache). Off by default: compiling costs tens of seconds on CPU before the first step.
+        `torch.compile(fullgraph=True)` (`rollout.compiled`; same tokens as the eager loop; it keeps its own
+        fixed-size cache whatever `use_cache` says). Multi-Block Editing passes still run eagerly beside it, so an
+        iteration with both counts two model calls. Off by default: compiling costs tens of seconds on CPU before
+        the first step.
     """
 
     block_size: int | None = None
