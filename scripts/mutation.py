@@ -97,6 +97,23 @@ def equivalents(path: Path) -> dict[str, str]:
     return out
 
 
+def stale_equivalents(status: dict[str, str], equiv: dict[str, str], modules: list[str]) -> dict[str, list[str]]:
+    """Per module, the equivalent.txt entries of that module that no longer name a survivor of this run: the
+    mutant was killed, or no mutant has that name (mutmut numbers mutants within a function, so a changed function
+    renumbers them). Each needs re-judging or removing: a stale entry would mark an unrelated mutant."""
+    out: dict[str, list[str]] = collections.defaultdict(list)
+    for name in sorted(equiv):
+        mod = module_of(name, modules)
+        if mod == "?":
+            continue
+        st = status.get(name)
+        if st is None:
+            out[mod].append(f"`{name}`: no such mutant in this run")
+        elif st in KILLED:
+            out[mod].append(f"`{name}`: {st} in this run")
+    return dict(out)
+
+
 def report(work: Path, modules: list[str], tests: dict[str, list[str]], out: Path, equiv_file: Path,
            minutes: float | None, command: str) -> str:
     status = results(work)
@@ -142,6 +159,11 @@ def report(work: Path, modules: list[str], tests: dict[str, list[str]], out: Pat
             diff = subprocess.run(["mutmut", "show", name], cwd=work, capture_output=True, text=True).stdout
             body = [ln for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
             lines += ["```diff", *body[:12], "```"]
+    stale = stale_equivalents(status, equiv, [m for m in modules if per.get(m)])
+    for mod in modules:
+        if stale.get(mod):
+            lines += ["", f"## Stale entries of {mod} in equivalent.txt (re-judge or remove)", "",
+                      *[f"* {entry}" for entry in stale[mod]]]
     text = "\n".join(lines) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
