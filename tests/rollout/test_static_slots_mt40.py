@@ -28,11 +28,15 @@ CASES = [  # (decode options, rule, stub margin, lev)
     # Multi-Block Editing: its passes run eagerly, the blocks they change are refilled into the step's cache
     (dict(preset="quality", mbe_window=2), Rule(eos=2), 10.0, False),
     (dict(preset="m2t", mbe_window=1, mbe_max_passes=3, stop_at_eos=False), Rule(eos=2, edit=True), 10.0, False),
+    # the repetition penalty (12 > the margin 10) turns a candidate equal to the token before it into another
+    (dict(preset="quality", repetition_penalty=12.0), Rule(eos=2, mod=31), 10.0, False),
 ]
+MBE_CASES = {i for i, c in enumerate(CASES) if c[0].get("mbe_window")}
 
 
 def _decode(case, static, max_batch):
-    opts, rule, margin, lev = CASES[case]
+    """case: an index of CASES, or a case tuple of its own."""
+    opts, rule, margin, lev = CASES[case] if isinstance(case, int) else case
     opts = dict(opts)
     cfg = DecodeConfig.preset(opts.pop("preset"), max_new_tokens=18, compiled_step=static, **opts)
     model = StubLM(rule, margin=margin, lev=lev)
@@ -62,14 +66,14 @@ def test_the_compiled_step_decodes_what_the_eager_loop_decodes(case, max_batch):
     assert static.row_forwards == eager.row_forwards
     # the same schedule: MBE rows take their pass in the iteration they are ready, beside the step's block rows
     assert static.iterations == eager.iterations == eager.num_forwards
-    if case < 7:  # with MBE the step and the eager MBE rows of one iteration are two model calls
+    if case not in MBE_CASES:  # with MBE the step and the eager MBE rows of one iteration are two model calls
         assert static.num_forwards == eager.num_forwards
     assert static.row_forwards == sum(s.forwards for s in static.sequences)
     # every block iteration ran as the fixed-shape step: all slots, [previous block ; active block]
     steps = [e for e in model.log if e[0] == "StaticKVCache" and e[1] == max_batch]
     assert all(e == ("StaticKVCache", max_batch, 2 * K) for e in steps)
     mbe_passes = sum(e[0] == "NoneType" for e in model.log)  # MBE passes: eager, without a cache
-    assert len(steps) + mbe_passes == static.num_forwards and (mbe_passes > 0) == (case >= 7)
+    assert len(steps) + mbe_passes == static.num_forwards and (mbe_passes > 0) == (case in MBE_CASES)
     assert all(e[0] != "StaticKVCache" for e in eager_model.log)
 
 
@@ -86,4 +90,7 @@ def test_the_cases_take_every_counted_path():
             seen["drafts"] += len(drafts)
     _, _, out = _decode(0, False, 6)
     seen["short"] = sum(len(o[7]) < -(-(len(p) + 18) // K) - len(p) // K for o, p in zip(out, PROMPTS))  # EOS
+    penalty = CASES[-1]  # the repetition penalty changes tokens of that case
+    unpenalised = (dict(penalty[0], repetition_penalty=0.0), *penalty[1:])
+    seen["penalised"] = sum(a[0] != b[0] for a, b in zip(_decode(penalty, False, 6)[2], _decode(unpenalised, False, 6)[2]))
     assert all(v > 0 for v in seen.values()), seen
