@@ -59,7 +59,8 @@ def toml_list(items: list[str]) -> str:
     return "[" + ", ".join(f'"{x}"' for x in items) + "]"
 
 
-def configure(work: Path, modules: list[str], tests: list[str], extra_pytest: list[str]) -> None:
+def configure(work: Path, modules: list[str], tests: list[str], extra_pytest: list[str],
+              timeout_multiplier: float | None = None) -> None:
     py = work / "pyproject.toml"
     text = re.sub(r"\n\[tool\.mutmut\].*?(?=\n\[|\Z)", "\n", py.read_text(), flags=re.S)
     # mutmut runs the tests in work/mutants/: everything else the tests read (recipes, examples, docs) goes too
@@ -70,7 +71,8 @@ def configure(work: Path, modules: list[str], tests: list[str], extra_pytest: li
              f"only_mutate = {toml_list(modules)}\n"
              f"pytest_add_cli_args_test_selection = {toml_list(tests)}\n"
              f"pytest_add_cli_args = {toml_list(['-p', 'no:cacheprovider', '-p', 'no:randomly'] + extra_pytest)}\n"
-             "use_git_change_detection = false\n")
+             "use_git_change_detection = false\n"
+             + (f"timeout_multiplier = {timeout_multiplier}\n" if timeout_multiplier else ""))
     py.write_text(text)
 
 
@@ -181,6 +183,9 @@ def main() -> int:
     ap.add_argument("--pytest-args", default="", help="more pytest arguments, e.g. \"-k 'not ray'\"")
     ap.add_argument("--report-only", action="store_true", help="write the report of the run in --workdir")
     ap.add_argument("--keep", action="store_true", help="reuse an existing --workdir (resume a run)")
+    ap.add_argument("--timeout-multiplier", type=float, default=None,
+                    help="a mutant times out (and counts as killed) after (its tests' clean duration + 1 s) "
+                         "times this (mutmut's default: 15); a smaller one ends hanging mutants sooner")
     a = ap.parse_args()
     modules = [m.removeprefix("./") for m in a.modules]
     for m in modules:
@@ -199,7 +204,7 @@ def main() -> int:
         if not work.exists():
             work.mkdir(parents=True)
             copy_tree(work)
-        configure(work, modules, all_tests, shlex.split(a.pytest_args))
+        configure(work, modules, all_tests, shlex.split(a.pytest_args), a.timeout_multiplier)
         t0 = time.monotonic()
         env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
         rc = subprocess.run(["mutmut", "run", "--max-children", str(a.jobs)], cwd=work, env=env).returncode
