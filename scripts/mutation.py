@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import fnmatch
 import os
 import re
 import shlex
@@ -99,6 +100,14 @@ def equivalents(path: Path) -> dict[str, str]:
     return out
 
 
+def selected(by_name: dict, only: list[str] | None) -> dict:
+    """The entries of `by_name` (mutant name -> anything) whose names match one of the fnmatch patterns `only`
+    (all of them when `only` is empty): what a run of some mutants (`--only`) reports on."""
+    if not only:
+        return dict(by_name)
+    return {n: v for n, v in by_name.items() if any(fnmatch.fnmatchcase(n, pat) for pat in only)}
+
+
 def stale_equivalents(status: dict[str, str], equiv: dict[str, str], modules: list[str]) -> dict[str, list[str]]:
     """Per module, the equivalent.txt entries of that module that no longer name a survivor of this run: the
     mutant was killed, or no mutant has that name (mutmut numbers mutants within a function, so a changed function
@@ -117,8 +126,9 @@ def stale_equivalents(status: dict[str, str], equiv: dict[str, str], modules: li
 
 
 def report(work: Path, modules: list[str], tests: dict[str, list[str]], out: Path, equiv_file: Path,
-           minutes: float | None, command: str) -> str:
+           minutes: float | None, command: str, only: list[str] | None = None) -> str:
     status = results(work)
+    status = selected(status, only)
     equiv = equivalents(equiv_file)
     per = collections.defaultdict(collections.Counter)
     survivors = collections.defaultdict(list)
@@ -161,7 +171,7 @@ def report(work: Path, modules: list[str], tests: dict[str, list[str]], out: Pat
             diff = subprocess.run(["mutmut", "show", name], cwd=work, capture_output=True, text=True).stdout
             body = [ln for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
             lines += ["```diff", *body[:12], "```"]
-    stale = stale_equivalents(status, equiv, [m for m in modules if per.get(m)])
+    stale = stale_equivalents(status, selected(equiv, only), [m for m in modules if per.get(m)])
     for mod in modules:
         if stale.get(mod):
             lines += ["", f"## Stale entries of {mod} in equivalent.txt (re-judge or remove)", "",
@@ -183,6 +193,9 @@ def main() -> int:
     ap.add_argument("--pytest-args", default="", help="more pytest arguments, e.g. \"-k 'not ray'\"")
     ap.add_argument("--report-only", action="store_true", help="write the report of the run in --workdir")
     ap.add_argument("--keep", action="store_true", help="reuse an existing --workdir (resume a run)")
+    ap.add_argument("--only", nargs="+", metavar="PATTERN",
+                    help="run (and report) only the mutants whose names match these fnmatch patterns, e.g. "
+                         "'ebpo.core.likelihood.x_composite_logprobs_blockwise__mutmut_*' after that function changed")
     ap.add_argument("--timeout-multiplier", type=float, default=None,
                     help="a mutant times out (and counts as killed) after (its tests' clean duration + 1 s) "
                          "times this (mutmut's default: 15); a smaller one ends hanging mutants sooner")
@@ -207,11 +220,12 @@ def main() -> int:
         configure(work, modules, all_tests, shlex.split(a.pytest_args), a.timeout_multiplier)
         t0 = time.monotonic()
         env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-        rc = subprocess.run(["mutmut", "run", "--max-children", str(a.jobs)], cwd=work, env=env).returncode
+        rc = subprocess.run(["mutmut", "run", "--max-children", str(a.jobs), *(a.only or [])], cwd=work,
+                            env=env).returncode
         minutes = (time.monotonic() - t0) / 60
         if rc not in (0, 1):
             print(f"mutation.py: mutmut exited with {rc}", file=sys.stderr)
-    print(report(work, modules, tests, a.out, a.equivalent, minutes, command))
+    print(report(work, modules, tests, a.out, a.equivalent, minutes, command, a.only))
     return 0
 
 

@@ -28,3 +28,19 @@ def test_stale_equivalents_are_entries_of_the_run_s_modules_that_name_no_survivo
         "`rollout.engine.x_f__mutmut_3`: timeout in this run",
         "`rollout.engine.x_f__mutmut_9`: no such mutant in this run"]}
     assert m.stale_equivalents(status, {"rollout.engine.x_f__mutmut_1": "fine"}, modules) == {}
+
+
+
+def test_only_patterns_select_mutants_by_fnmatch_on_their_names():
+    m = _script()
+    names = {"ebpo.core.likelihood.x_composite_logprobs_blockwise__mutmut_3": "killed",
+             "ebpo.core.likelihood.x_composite_logprobs_blockwise__mutmut_25": "survived",
+             "ebpo.core.likelihood.x_composite_logprobs__mutmut_1": "survived",
+             "ebpo.core.likelihood.xǁNoiseDrawsǁtake__mutmut_2": "killed"}
+    assert m.selected(names, None) == names and m.selected(names, []) == names
+    assert m.selected(names, ["ebpo.core.likelihood.x_composite_logprobs_blockwise__mutmut_*"]) == {
+        "ebpo.core.likelihood.x_composite_logprobs_blockwise__mutmut_3": "killed",
+        "ebpo.core.likelihood.x_composite_logprobs_blockwise__mutmut_25": "survived"}
+    assert m.selected(names, ["*take*", "*_mutmut_1"]) == {
+        "ebpo.core.likelihood.x_composite_logprobs__mutmut_1": "survived",
+        "ebpo.core.likelihood.xǁNoiseDrawsǁtake__mutmut_2": "killed"}
