@@ -89,3 +89,18 @@ def test_make_noisy_passes_min_one_and_t2t_rate_bounds_and_absent_tokens_draw_ev
     new, _ = t2t_substitute(tokens, torch.ones_like(tokens, dtype=torch.bool), 1.0, torch.tensor([3, 4, 7]), g)
     # 400 uniform draws over 3 ids: an id is missed with probability (2/3)^400 < 1e-70
     assert set(new.flatten().tolist()) == {3, 4, 7}
+
+
+def test_t2t_substitute_draws_on_the_generator_s_device_whatever_the_default_device():
+    """Both uniforms (which positions, which replacement) are drawn on the generator's device: under a `meta`
+    default device, with tokens and generator on the CPU, the substitution is the same (a draw on the default
+    device would be `meta` and fail where it meets the CPU tensors)."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 40, (3, 12), generator=g)
+    candidates = torch.rand(3, 12, generator=g) < 0.8
+    allowed = substitution_ids(40, [0, 1])
+    want = t2t_substitute(tokens, candidates, 0.5, allowed, torch.Generator().manual_seed(5))
+    with torch.device("meta"):
+        got = t2t_substitute(tokens, candidates, 0.5, allowed, torch.Generator().manual_seed(5))
+    assert got[0].device.type == "cpu" and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert 0 < int(want[1].sum()) < int(candidates.sum())
