@@ -63,15 +63,20 @@ class _Recorder(torch.nn.Module):
         return (h,) if self.form == "tuple" else self.Out(logits=h.flip(-1) + 1.0, last_hidden_state=h)
 
 
-@pytest.mark.parametrize("form", ["tuple", "logits_first"])
-def test_mbe_window_loss_reads_the_hidden_states_of_either_output_form(form):
+def _mbe_case():
+    """A tiny model, a batch of 2 x 10 (responses from position 3) and mbe_window_loss's keyword arguments."""
     torch.manual_seed(0)
     model = LLaDA2MoeModelLM(tiny_config(num_hidden_layers=1, block_size=2)).eval()
     allowed = substitution_ids(model.config.vocab_size, [0, 2])
     clean = torch.randint(8, 60, (2, 10), generator=torch.Generator().manual_seed(1))
     resp = torch.zeros(2, 10, dtype=torch.bool)
     resp[:, 3:] = True
-    kw = dict(block_size=2, window=2, rate=0.5, keep_weight=0.5, allowed_ids=allowed)
+    return model, clean, resp, dict(block_size=2, window=2, rate=0.5, keep_weight=0.5, allowed_ids=allowed)
+
+
+@pytest.mark.parametrize("form", ["tuple", "logits_first"])
+def test_mbe_window_loss_reads_the_hidden_states_of_either_output_form(form):
+    model, clean, resp, kw = _mbe_case()
     with torch.no_grad():
         want, wm = mbe_window_loss(model, model.lm_head, clean, resp, generator=torch.Generator().manual_seed(2), **kw)
         rec = _Recorder(model, form)
@@ -87,13 +92,7 @@ def test_mbe_window_loss_builds_its_mask_and_positions_on_the_inputs_device():
     """The window mask and the position ids are made on `clean`'s device: under a `meta` default device, with the
     model, inputs and generator on the CPU, the loss and metrics are the same (a mask or positions made on the
     default device would be `meta` and fail the forward)."""
-    torch.manual_seed(0)
-    model = LLaDA2MoeModelLM(tiny_config(num_hidden_layers=1, block_size=2)).eval()
-    allowed = substitution_ids(model.config.vocab_size, [0, 2])
-    clean = torch.randint(8, 60, (2, 10), generator=torch.Generator().manual_seed(1))
-    resp = torch.zeros(2, 10, dtype=torch.bool)
-    resp[:, 3:] = True
-    kw = dict(block_size=2, window=2, rate=0.5, keep_weight=0.5, allowed_ids=allowed)
+    model, clean, resp, kw = _mbe_case()
     with torch.no_grad():
         want, wm = mbe_window_loss(model, model.lm_head, clean, resp, generator=torch.Generator().manual_seed(2), **kw)
         with torch.device("meta"):
