@@ -130,7 +130,7 @@ def add_substitutions(noise: NoiseDraws, input_ids: torch.Tensor, response_mask:
             sub_ids = torch.where(coin, uniform_substitutes(input_ids, chosen, allowed_ids, generator), sub_ids)
     clean = input_ids.to(chosen.device)[None]
     substituted = chosen & (sub_ids != clean)  # a draft that equals the clean token is no substitution
-    w = noise.weight + torch.where(substituted, torch.full((), weight / rate), torch.zeros(()))
+    w = noise.weight + torch.where(substituted, weight / rate, 0.0)  # Python scalars: no tensor on a default device
     return NoiseDraws(masked=noise.masked, t=noise.t, weight=w, block_size=noise.block_size,
                       substituted=substituted, sub_ids=torch.where(substituted, sub_ids, clean))
 

@@ -50,7 +50,7 @@ def drafts_from_rollouts(input_ids: torch.Tensor, prompt_lens: torch.Tensor, lev
             lo = int(prompt_lens[i]) + int(start)
             if lo < 0 or lo + block_size > L:
                 continue
-            draft = torch.as_tensor(toks, dtype=out.dtype)
+            draft = torch.as_tensor(toks, dtype=out.dtype, device=out.device)
             if response_mask is not None and bool(response_mask[i, lo:lo + block_size].any()):
                 ctx = int(response_mask[i, lo:lo + block_size].to(torch.uint8).argmax())  # context prefix length
                 if not torch.equal(draft[:ctx], out[i, lo:lo + ctx]):
@@ -115,7 +115,7 @@ def learner_draws(noise: NoiseDraws, input_ids: torch.Tensor, response_mask: tor
     B, L = input_ids.shape
     drafts = None
     if lev_drafts is not None:
-        drafts = drafts_from_rollouts(input_ids.cpu(), torch.as_tensor(prompt_lens), lev_drafts, K,
+        drafts = drafts_from_rollouts(input_ids.cpu(), torch.as_tensor(prompt_lens, device="cpu"), lev_drafts, K,
                                       response_mask.cpu().bool())
     pad = -L % K
     if pad:

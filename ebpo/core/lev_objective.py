@@ -53,10 +53,10 @@ def corrupt_blocks(clean: torch.Tensor, editable: torch.Tensor, block_size: int,
     K = block_size
     nb = L // K
     out = clean.clone()
-    u = torch.rand(B, nb, 8, generator=generator).tolist()
-    picks = torch.randint(0, len(allowed_ids), (B, nb, 2), generator=generator).tolist()
-    mask_coins = torch.rand(B, L, generator=generator)
-    mask_level = torch.rand(B, nb, generator=generator) * 0.5
+    u = torch.rand(B, nb, 8, generator=generator, device=generator.device).tolist()
+    picks = torch.randint(0, len(allowed_ids), (B, nb, 2), generator=generator, device=generator.device).tolist()
+    mask_coins = torch.rand(B, L, generator=generator, device=generator.device)
+    mask_level = torch.rand(B, nb, generator=generator, device=generator.device) * 0.5
     ed = editable.tolist()
     rows = clean.tolist()
     for b in range(B):
@@ -78,7 +78,7 @@ def corrupt_blocks(clean: torch.Tensor, editable: torch.Tensor, block_size: int,
                     at = min(at, len(seg) - 1)
                     seg.insert(at, seg[at])
             seg = (seg + [mask_id] * n)[:n]
-            out[b, lo:hi] = torch.tensor(seg, dtype=out.dtype)
+            out[b, lo:hi] = torch.tensor(seg, dtype=out.dtype, device=out.device)
         hide = editable[b] & (mask_coins[b] < mask_level[b].repeat_interleave(K))
         out[b] = out[b].masked_fill(hide, mask_id)
     return out
