@@ -191,3 +191,24 @@ def test_candidates_are_the_same_under_a_float64_default_dtype():
     finally:
         torch.set_default_dtype(old)
     assert torch.equal(got[0], ref[0]) and got[1].dtype == torch.float32 and torch.equal(got[1], ref[1])
+
+
+def test_sampled_candidates_are_drawn_on_the_generators_device_whatever_the_default_device():
+    """Each row's Gumbel noise is drawn on its generator's device and moved to the logits' device: under a `meta`
+    default device, with CPU logits and generators, the candidates are the same (a draw or a tensor made on the
+    default device would be `meta`)."""
+    logits = torch.randn(3, 4, 9, generator=torch.Generator().manual_seed(0))
+
+    def run():
+        gens = [torch.Generator().manual_seed(10 + b) for b in range(3)]
+        return candidates_reference(logits, 0.8, 4, 0.9, gens)
+
+    want = run()
+    with torch.device("meta"):
+        got = run()
+    for w, g in zip(want, got):
+        assert g.device.type == "cpu" and torch.equal(g, w)
+    noise = gumbel_noise((2, 5), torch.Generator().manual_seed(3), "cpu")
+    with torch.device("meta"):
+        again = gumbel_noise((2, 5), torch.Generator().manual_seed(3), "cpu")
+    assert again.device.type == "cpu" and torch.equal(again, noise)
