@@ -163,7 +163,7 @@ def levenshtein_loss(model, lm_head, clean: torch.Tensor, response_mask: torch.T
     elif cfg.lev_source == "model":
         draft = first
     else:
-        coin = (torch.rand(n_rows, generator=generator) < 0.5).to(dev)[:, None]
+        coin = (torch.rand(n_rows, generator=generator, device=generator.device) < 0.5).to(dev)[:, None]
         draft = torch.where(coin, corrupt, first)
     total = clean.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}

@@ -5,6 +5,7 @@ shows, checked on a CPU-only machine (issue 40's device survivors once judged "C
 import contextlib
 import types
 
+import pytest
 import torch
 
 from ebpo.core.editing import add_substitutions, choose_positions
@@ -50,7 +51,10 @@ def test_noisy_half_hidden_and_editing_draws(small_model):
             outs[dev] = (noisy_half_hidden(small_model, ids.masked_fill(resp, MASK), ids, K),
                          choose_positions(noise, resp, 0.5, torch.Generator().manual_seed(3)),
                          add_substitutions(noise, ids, resp, rate=0.5, weight=0.7, source="uniform",
-                                           allowed_ids=allowed, generator=torch.Generator().manual_seed(4)))
+                                           allowed_ids=allowed, generator=torch.Generator().manual_seed(4)),
+                         add_substitutions(noise, ids, resp, rate=0.5, weight=0.7, source="mixed",
+                                           allowed_ids=allowed, generator=torch.Generator().manual_seed(5),
+                                           model=small_model, mask_token_id=MASK))
     for w, g in zip(outs[None], outs["meta"]):
         _same(w, g)
     assert outs[None][1].any() and outs[None][2].substituted.any()
@@ -73,13 +77,14 @@ def test_levenshtein_draws_and_the_learner_s():
     assert ((outs[None][0].targets == DEL) | (outs[None][0].targets == INS)).any()
 
 
-def test_levenshtein_loss(small_model):
+@pytest.mark.parametrize("source", ["corrupt", "mixed"])
+def test_levenshtein_loss(small_model, source):
     g = torch.Generator().manual_seed(0)
     clean = torch.randint(10, 60, (3, 16), generator=g)
     resp = torch.zeros(3, 16, dtype=torch.bool)
     resp[:, 4:] = True
     first = clean.masked_fill(resp, MASK)
-    cfg = ObjectiveConfig(lev_weight=1.0, lev_source="corrupt", lev_rate=0.5, lev_rounds=2, lev_fraction=1.0)
+    cfg = ObjectiveConfig(lev_weight=1.0, lev_source=source, lev_rate=0.5, lev_rounds=2, lev_fraction=1.0)
     allowed, outs = torch.arange(10, 60), {}
     for dev in (None, "meta"):
         with torch.no_grad(), _under(dev):
