@@ -127,8 +127,7 @@ def stale_equivalents(status: dict[str, str], equiv: dict[str, str], modules: li
 
 def report(work: Path, modules: list[str], tests: dict[str, list[str]], out: Path, equiv_file: Path,
            minutes: float | None, command: str, only: list[str] | None = None) -> str:
-    status = results(work)
-    status = selected(status, only)
+    status = selected(results(work), only)
     equiv = equivalents(equiv_file)
     per = collections.defaultdict(collections.Counter)
     survivors = collections.defaultdict(list)

@@ -58,24 +58,33 @@ def test_multiturn_rollouts_are_the_same_under_a_meta_default_device(case):
     assert sum(len(t[5]) for t in want) >= 2
 
 
-def _adopted(waiting: bool, static: bool, default_device: str | None):
-    """Decode part of one sequence in a first engine, export it at a block boundary (waiting on its environment,
-    or in the middle of a single-turn decode) and finish it in a second engine built under `default_device`."""
-    rule = Rule(eos=3, tool=0, c=2)
+def exported_at_a_boundary(model, cfg, waiting: bool, latency: float):
+    """A first engine decodes one 10-token prompt, waiting on its environment after two turns (`waiting`, steps
+    of `latency` s) or single-turn up to block 5, drains and exports it. Returns (first engine, the sequence, the
+    MultiTurnConfig, the tokenizer), for a second engine to adopt it."""
     mt = MultiTurnConfig(max_turns=3, max_turn_tokens=7, max_total_tokens=80, stop_at_tool_call=False,
                          observation_template="<o>{observation}</o>")
-    cfg = DecodeConfig.preset("quality", max_new_tokens=30, compiled_step=static)
-    model, tok = StubLM(rule), StubTokenizer()
+    tok = StubTokenizer()
     first = Engine(model, cfg, max_batch=1, canvas_len=80, tokenizer=tok, mt=mt)
     prompt = [(3 * j + 1) % 30 for j in range(10)]
     if waiting:
-        s = first.submit(prompt, env=ScriptEnv(3, obs=(5,), latency=0.05))
+        s = first.submit(prompt, env=ScriptEnv(3, obs=(5,), latency=latency))
         first.run_until(lambda: s.status == WAITING and len(s.turns) == 2)
     else:
         s = first.submit(prompt)
         first.run_until(lambda: s.block >= 5)
     first.drain()
-    (s,) = first.export()
+    (out,) = first.export()
+    assert out is s
+    return first, s, mt, tok
+
+
+def _adopted(waiting: bool, static: bool, default_device: str | None):
+    """Decode part of one sequence in a first engine, export it at a block boundary (waiting on its environment,
+    or in the middle of a single-turn decode) and finish it in a second engine built under `default_device`."""
+    cfg = DecodeConfig.preset("quality", max_new_tokens=30, compiled_step=static)
+    model = StubLM(Rule(eos=3, tool=0, c=2))
+    first, s, mt, tok = exported_at_a_boundary(model, cfg, waiting, latency=0.05)
     with torch.device(default_device) if default_device else contextlib.nullcontext():
         second = Engine(model, cfg, max_batch=2, canvas_len=80, tokenizer=tok, mt=mt, runner=first.runner)
         second.adopt(s)

@@ -13,8 +13,9 @@ from ebpo.model.cache import StaticKVCache
 from rollout.config import DecodeConfig
 from rollout.engine import Engine
 from rollout.multiturn import MultiTurnConfig, generate_multiturn
-from rollout.sequence import FINISHED, WAITING
+from rollout.sequence import FINISHED
 from stub_model_mt40 import K, Rule, ScriptEnv, StubLM, StubTokenizer
+from test_engine_details_mt40 import exported_at_a_boundary
 from test_static_slots_mt40 import CASES, MBE_CASES, PROMPTS
 
 
@@ -130,24 +131,9 @@ def test_a_resumed_turn_refills_from_the_last_turn_s_final_block(monkeypatch):
 def test_an_adopted_sequence_is_refilled_up_to_its_step_window(waiting, monkeypatch):
     """Adopt (engine.py): a sequence decoding a block gets blocks [0, block - 1); one waiting on its environment
     gets the blocks before its last turn's final block, which `resume` refills with the observation."""
-    rule = Rule(eos=0, tool=0, c=2)
-    mt = MultiTurnConfig(max_turns=3, max_turn_tokens=7, max_total_tokens=80, stop_at_tool_call=False,
-                         observation_template="<o>{observation}</o>")
     cfg = DecodeConfig.preset("m2t", max_new_tokens=30, compiled_step=True)
-    model = StubLM(rule)
-    tok = StubTokenizer()
-    first = Engine(model, cfg, max_batch=1, canvas_len=80, tokenizer=tok, mt=mt)
-    prompt = [(3 * j + 1) % 30 for j in range(10)]
-    if waiting:
-        env = ScriptEnv(3, obs=(5,), latency=0.3)
-        s = first.submit(prompt, env=env)
-        first.run_until(lambda: s.status == WAITING and len(s.turns) == 2)
-    else:
-        s = first.submit(prompt)
-        first.run_until(lambda: s.block >= 5)
-    first.drain()
-    (out,) = first.export()
-    assert out is s
+    model = StubLM(Rule(eos=0, tool=0, c=2))
+    first, s, mt, tok = exported_at_a_boundary(model, cfg, waiting, latency=0.3)
     log = RefillLog(monkeypatch, model)
     second = Engine(model, cfg, max_batch=2, canvas_len=80, tokenizer=tok, mt=mt, runner=first.runner)
     second.adopt(s)
