@@ -61,11 +61,43 @@ class RolloutConfig:
     eval_decode: dict = doc("DecodeConfig overrides for evaluation", default_factory=dict)
     fp8: bool = doc("run rollouts with per-block FP8 linear layers (kernels.fp8)", False)
     num_threads: int = doc("torch threads per rollout actor (0 = torch default)", 0)
+    tensor_parallel: int = doc("ranks that split a rollout worker's attention heads, dense MLP, shared expert and LM "
+                               "head (1 = off). The model's attention heads must be divisible by it, and its KV heads "
+                               "divisible by it or dividing it (then each rank keeps the one KV head its query heads "
+                               "read). A worker spans max(tensor_parallel, expert_parallel) ranks; `ebpo plan` gives "
+                               "the memory per rank (docs/rl.md, Memory plan)", 1)
+    expert_parallel: int = doc("ranks that split a rollout worker's routed experts, tokens dispatched to and combined "
+                               "from them by all-to-all (1 = off). The model's num_experts must be divisible by it, "
+                               "and it must divide tensor_parallel or be a multiple of it", 1)
 
     def validate(self):
         for name in ("num_workers", "prompts_per_step", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}: must be >= 1")
+        for name in ("tensor_parallel", "expert_parallel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"rollout.{name}: must be an integer >= 1 (1 = off), got {value!r}")
+        tp, ep = self.tensor_parallel, self.expert_parallel
+        if max(tp, ep) % min(tp, ep):
+            raise ValueError(f"rollout.expert_parallel = {ep} and rollout.tensor_parallel = {tp}: one must divide "
+                             f"the other (a worker spans max of the two = {max(tp, ep)} ranks); allowed "
+                             f"rollout.expert_parallel with tensor_parallel {tp}: a divisor or multiple of {tp}")
+
+    def check_parallel(self, num_heads: int, num_kv_heads: int, num_experts: int) -> None:
+        """Start-up check of `tensor_parallel` / `expert_parallel` against the model's attention heads, KV heads
+        and routed experts; ConfigError naming the key and its allowed values."""
+        tp, ep = self.tensor_parallel, self.expert_parallel
+        allowed_tp = [d for d in range(1, num_heads + 1)
+                      if num_heads % d == 0 and (num_kv_heads % d == 0 or d % num_kv_heads == 0)]
+        if tp not in allowed_tp:
+            raise ConfigError(f"rollout.tensor_parallel = {tp}: the model's {num_heads} attention heads must be "
+                              f"divisible by it and its {num_kv_heads} KV heads divisible by it or dividing it; "
+                              f"allowed: {allowed_tp}")
+        allowed_ep = [d for d in range(1, max(num_experts, 1) + 1) if max(num_experts, 1) % d == 0]
+        if ep not in allowed_ep:
+            raise ConfigError(f"rollout.expert_parallel = {ep}: the model's {num_experts} routed experts must be "
+                              f"divisible by it; allowed: {allowed_ep}")
 
 
 @dataclass
