@@ -131,7 +131,7 @@ class AgentGateway:
         self.eos_id = int(tokenizer.eos_token_id)
         max_len = round_up(self.mt.max_total_tokens + self.block_size, self.block_size)
         self.driver = EngineDriver(model, tokenizer, max_batch=max_batch or 64, max_len=max_len, mt=self.mt,
-                                   max_lanes=1).start()
+                                   engine_config=config).start()
         self.app = create_app(SimpleNamespace(name=name, default=config, max_tokens_limit=1 << 30),
                               complete=self._complete)
         self.episodes: dict[str, Episode] = {}
