@@ -7,8 +7,11 @@ the memory plan of an RL recipe per GPU, without running anything.
 Only the model's configuration is read (a folder's config.json or `preset:NAME`): the weights are not
 needed. Learner ranks: weights, gradients and AdamW states under the recipe's ZeRO stage, offload and
 dtype; the ZeRO-3 gather working set; activations of the largest micro-batch the token budget allows
-(probed on the meta device: `ebpo.infra.memory_plan`). Rollout workers: weights (bf16 or FP8), the KV cache
-of their share of a step's rollouts and one block of logits. Exit status 1 when a role does not fit.
+(probed on the meta device: `ebpo.infra.memory_plan`). Rollout workers, per rank of a worker that spans
+max(rollout.tensor_parallel, rollout.expert_parallel) ranks: weights (bf16 or FP8) split over the ranks, the KV
+cache of its share of a step's rollouts, one block of logits and the experts' all-to-all buffers. A layout the
+model cannot take (heads, KV heads or experts not divisible) is an error naming the key (exit status 2); exit
+status 1 when a role does not fit or the roles need more GPUs than the cluster has.
 """
 from __future__ import annotations
 
@@ -83,10 +86,14 @@ def plan(cfg, gpus_per_node: int, gpu_mem_gb: float, nodes: int) -> dict:
                          response_len=max_new, draws_per_forward=draws, packed=lc.packed,
                          mask_fraction=mask_fraction, checkpointing=lc.gradient_checkpointing)
     learner = learner_memory(config, shape, profile)
-    roll_seqs = math.ceil(batch / max(1, cfg.rollout.num_workers))
-    rollout = rollout_memory(config, cfg.rollout.fp8, roll_seqs, seq, K)
+    rc = cfg.rollout
+    rc.check_parallel(config.num_attention_heads, config.num_key_value_heads, config.num_experts or 0)
+    roll_seqs = math.ceil(batch / max(1, rc.num_workers))
+    rollout = rollout_memory(config, rc.fp8, roll_seqs, seq, K, rc.tensor_parallel, rc.expert_parallel,
+                             seq - max_new)
     learner_gpus = lc.num_workers * max(cfg.ray.learner_gpus, 0)
-    rollout_gpus = cfg.rollout.num_workers * max(cfg.ray.rollout_gpus, 0)
+    # ray.rollout_gpus is per rank: a worker of tp x ep ranks holds that many GPUs times its ranks
+    rollout_gpus = rc.num_workers * rollout["ranks"] * max(cfg.ray.rollout_gpus, 0)
     ranks_per_node = math.ceil(lc.num_workers / nodes)
     return {
         "model": {"spec": cfg.model, "parameters": count_parameters(config),
@@ -96,7 +103,7 @@ def plan(cfg, gpus_per_node: int, gpu_mem_gb: float, nodes: int) -> dict:
                     "gpus": nodes * gpus_per_node, "gpus_asked": learner_gpus + rollout_gpus},
         "learner": {**learner, "ranks": lc.num_workers, "micro_batch_rows": rows, "row_len": row_len,
                     "draws_per_forward": draws, "host_per_node": learner["host_per_rank"] * ranks_per_node},
-        "rollout": {**rollout, "workers": cfg.rollout.num_workers, "sequences": roll_seqs, "seq_len": seq},
+        "rollout": {**rollout, "workers": rc.num_workers, "sequences": roll_seqs, "seq_len": seq},
     }
 
 
@@ -121,23 +128,31 @@ def format_plan(p: dict) -> str:
              f"  host RAM for offloaded states: {lrn['host_per_rank'] / GB:.1f} GB per rank, "
              f"{lrn['host_per_node'] / GB:.1f} GB per node",
              "",
-             f"rollout worker (x{rol['workers']}): {rol['sequences']} sequences of {rol['seq_len']} tokens",
+             f"rollout worker (x{rol['workers']}): {rol['sequences']} sequences of {rol['seq_len']} tokens"
+             + (f"; {rol['ranks']} ranks (tensor_parallel {rol['tensor_parallel']}, expert_parallel "
+                f"{rol['expert_parallel']}), per rank: {rol['sequences_per_rank']} sequences' KV cache, "
+                f"{rol['kv_heads_per_rank']} KV head(s)" if rol["ranks"] > 1 else ""),
              f"  {'weights':<22}{rol['weights'] / GB:>9.1f} GB",
              f"  {'KV cache':<22}{rol['kv_cache'] / GB:>9.1f} GB",
              f"  {'block logits':<22}{rol['logits'] / GB:>9.1f} GB",
+             *([f"  {'all-to-all buffers':<22}{rol['all_to_all'] / GB:>9.1f} GB"] if rol["expert_parallel"] > 1
+               else []),
              f"  {'total':<22}{rol['total'] / GB:>9.1f} GB  {'fits' if rol['total'] <= gb * GB else 'DOES NOT FIT'}",
              f"  routed experts per decode forward: <= {rol['experts_per_block']} per block"
              f"{' (block routing)' if p['model'].get('block_routing_capacity') else ''}, <= "
              f"{rol['experts_per_forward']} per MoE layer over {rol['sequences']} active blocks, "
              f"{rol['expert_bytes_per_forward'] / GB:.2f} GB of expert weights read (one block alone: "
              f"{rol['expert_bytes_per_block'] / GB:.2f} GB)"]
+    if rol["ranks"] > p["cluster"]["gpus_per_node"]:
+        lines.append(f"\nnote: a rollout worker's {rol['ranks']} ranks span more than one node of "
+                     f"{p['cluster']['gpus_per_node']} GPUs (its collectives cross the network)")
     if p["cluster"]["gpus_asked"] > p["cluster"]["gpus"]:
         lines.append(f"\nthe recipe asks for {p['cluster']['gpus_asked']:g} GPUs; the cluster has {p['cluster']['gpus']}")
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides may follow the options
     from ebpo.rl.config import RLConfig
 
     try:

@@ -297,21 +297,90 @@ def expert_working_set(config: LLaDA2MoeConfig, blocks: int, block_size: int, by
             "bytes_per_block": per_block * per_expert * moe_layers * bytes_per_weight}
 
 
-def rollout_memory(config: LLaDA2MoeConfig, fp8: bool, sequences: int, seq_len: int, block_size: int) -> dict:
-    """Bytes per rollout GPU: bf16 weights (FP8: quantised linear layers, 1 byte + one fp32 scale per
-    128x128 block), a bf16 KV cache for `sequences` rows of `seq_len` tokens, and the fp32 logits of one
-    block per row. {"weights", "kv_cache", "logits", "total"}, plus the routed-expert working set of one
+def parameter_groups(config: LLaDA2MoeConfig) -> dict[str, int]:
+    """Parameter counts (elements) of the model built from `config`, by how a tensor- and expert-parallel
+    rollout worker splits them (their sum is `count_parameters(config)["total"]`):
+
+    routed: the routed experts (3-D), split over the expert-parallel ranks; q: the query rows of
+    `query_key_value` and the attention output projection, split by heads over the tensor-parallel ranks;
+    kv: the key and value rows of `query_key_value`, split by KV heads (replicated when there are fewer KV
+    heads than ranks); mlp: the dense MLP and the shared experts, split over the tensor-parallel ranks;
+    vocab: word embeddings and LM head, split by vocabulary rows over the tensor-parallel ranks;
+    replicated: norms and routers, whole on every rank. All but vocab and replicated are what FP8 quantises.
+    """
+    from ebpo.model import LLaDA2MoeModelLM
+
+    with torch.device("meta"):
+        model = LLaDA2MoeModelLM(config)
+    kv_rows = 2 * config.num_key_value_heads * config.head_dim
+    groups = dict.fromkeys(("routed", "q", "kv", "mlp", "vocab", "replicated"), 0)
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if ".experts." in name and p.dim() == 3:
+            groups["routed"] += n
+        elif name.endswith("query_key_value.weight"):
+            groups["kv"] += kv_rows * p.shape[1]
+            groups["q"] += n - kv_rows * p.shape[1]
+        elif name.endswith("attention.dense.weight"):
+            groups["q"] += n
+        elif p.dim() == 2 and ("word_embeddings" in name or "lm_head" in name):
+            groups["vocab"] += n
+        elif p.dim() == 2 and ".gate." not in name:
+            groups["mlp"] += n
+        else:
+            groups["replicated"] += n
+    return groups
+
+
+def parallel_ranks(tensor_parallel: int, expert_parallel: int) -> int:
+    """Ranks of one rollout worker: max(tp, ep) (one divides the other, `RolloutConfig.validate`). With ep > tp
+    the worker runs ep / tp attention groups side by side, each on its own share of the sequences."""
+    return max(tensor_parallel, expert_parallel)
+
+
+FP8_BYTES = 1 + 4 / (128 * 128)  # one byte per weight and one fp32 scale per 128 x 128 block
+
+
+def rollout_memory(config: LLaDA2MoeConfig, fp8: bool, sequences: int, seq_len: int, block_size: int,
+                   tensor_parallel: int = 1, expert_parallel: int = 1, prompt_len: int = 0) -> dict:
+    """Bytes per rollout GPU (per rank of a worker that spans `parallel_ranks(tp, ep)` ranks): weights (bf16;
+    FP8: the linear layers and experts at `FP8_BYTES`), a bf16 KV cache for `sequences` rows of `seq_len`
+    tokens, the fp32 logits of one block per row, and the all-to-all buffers of the experts.
+    {"weights", "kv_cache", "logits", "all_to_all", "total"}, plus the routed-expert working set of one
     decode forward (every sequence's active block; block routing bounds it by C per block): "experts_per_block",
-    "experts_per_forward" (per MoE layer) and "expert_bytes_per_forward" (weights read, all MoE layers; part of
-    "weights", not added to the total)."""
-    counts = count_parameters(config)
-    if fp8:
-        weights = counts["linear"] * (1 + 4 / (128 * 128)) + (counts["total"] - counts["linear"]) * 2
-    else:
-        weights = counts["total"] * 2
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2 * sequences * seq_len
-    logits = sequences * block_size * config.vocab_size * 4
-    ws = expert_working_set(config, sequences, block_size, 1 + 4 / (128 * 128) if fp8 else 2)
-    return {"weights": weights, "kv_cache": kv, "logits": logits, "total": weights + kv + logits,
+    "experts_per_forward" (per MoE layer) and "expert_bytes_per_forward" (weights read by the whole worker, all
+    MoE layers; part of "weights", not added to the total).
+
+    Layout (`parameter_groups`): attention heads, dense MLP, shared experts and the vocabulary rows of the
+    embeddings and LM head over tp ranks (KV heads over min(tp, KV heads) ranks, replicated beyond), routed
+    experts over ep ranks. An attention group (tp ranks) holds the KV cache and logits of its share of the
+    worker's `sequences`. All-to-all: the largest forward is the one that admits every sequence at once
+    (its prompt blocks and first block: `prompt_len` // K + 1 blocks per row); each rank dispatches its 1/tp
+    of its group's tokens, top-k copies of the hidden state each (bf16), and receives at most every EP
+    rank's tokens routed to its own experts (min(k, E / ep) copies of each): a send and a receive buffer
+    for the dispatch and the same for the combine.
+    """
+    tp, ep = tensor_parallel, expert_parallel
+    W = parallel_ranks(tp, ep)
+    g = parameter_groups(config)
+    q_b = FP8_BYTES if fp8 else 2  # bytes of a quantised weight
+    kv_split = min(tp, config.num_key_value_heads)
+    weights = (g["routed"] / ep * q_b + (g["q"] + g["mlp"]) / tp * q_b + g["kv"] / kv_split * q_b
+               + g["vocab"] / tp * 2 + g["replicated"] * 2)
+    group_seqs = -(-sequences // (W // tp))  # sequences of one attention group
+    kv_heads = config.num_key_value_heads // kv_split
+    kv = 2 * config.num_hidden_layers * kv_heads * config.head_dim * 2 * group_seqs * seq_len
+    logits = group_seqs * block_size * (-(-config.vocab_size // tp)) * 4
+    all_to_all = 0.0
+    E, k = config.num_experts, config.num_experts_per_tok
+    if ep > 1 and E:
+        tokens = group_seqs * (prompt_len // block_size + 1) * block_size
+        sent = -(-tokens // tp) * k
+        received = ep * -(-tokens // tp) * min(k, E // ep)
+        all_to_all = 2 * (sent + received) * config.hidden_size * 2
+    ws = expert_working_set(config, sequences, block_size, FP8_BYTES if fp8 else 2)
+    return {"weights": weights, "kv_cache": kv, "logits": logits, "all_to_all": all_to_all,
+            "total": weights + kv + logits + all_to_all, "ranks": W, "tensor_parallel": tp, "expert_parallel": ep,
+            "sequences_per_rank": group_seqs, "kv_heads_per_rank": kv_heads,
             "experts_per_block": ws["experts_per_block"], "experts_per_forward": ws["experts_per_layer"],
             "expert_bytes_per_forward": ws["bytes"], "expert_bytes_per_block": ws["bytes_per_block"]}

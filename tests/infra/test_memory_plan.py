@@ -93,3 +93,147 @@ def test_activation_probe_runs_with_block_routing():
     prof = probe_activations(cfg, torch.float32)  # the pool is chosen without grad: no extra saved tensors
     off = probe_activations(load_preset("tiny"), torch.float32).per_token
     assert 0.9 * off <= prof.per_token <= 1.1 * off
+
+
+# ------------------------------------------------------------------ parallel rollout workers (tp x ep ranks)
+FLASH_80GB = "recipes/rl_math_llada21_flash_80gb.yaml"
+
+
+@pytest.mark.parametrize("name", ["tiny", "mini", "flash"])
+def test_parameter_groups_split_the_model_by_its_shapes(name):
+    from ebpo.infra.memory_plan import parameter_groups
+
+    c = load_preset(name)
+    g = parameter_groups(c)
+    H, d, L = c.hidden_size, c.head_dim, c.num_hidden_layers
+    moe = L - c.first_k_dense_replace
+    # independent of the model code: the shapes of LLaDA2-MoE's weights from its configuration
+    assert g["routed"] == moe * c.num_experts * 3 * H * c.moe_intermediate_size
+    assert g["q"] == L * 2 * c.num_attention_heads * d * H  # query rows of query_key_value + output projection
+    assert g["kv"] == L * 2 * c.num_key_value_heads * d * H
+    assert g["mlp"] == 3 * H * (c.first_k_dense_replace * c.intermediate_size
+                                + moe * c.num_shared_experts * c.moe_intermediate_size)
+    assert g["vocab"] == 2 * c.vocab_size * H
+    counts = count_parameters(c)
+    assert sum(g.values()) == counts["total"]
+    assert g["routed"] + g["q"] + g["kv"] + g["mlp"] == counts["linear"]  # what FP8 quantises
+
+
+def test_one_rank_rollout_memory_is_the_whole_policy():
+    from ebpo.infra.memory_plan import FP8_BYTES, rollout_memory
+
+    c = load_preset("flash")
+    counts = count_parameters(c)
+    r = rollout_memory(c, True, 32, 3072, 32, prompt_len=1024)
+    assert r["weights"] == pytest.approx(counts["linear"] * FP8_BYTES + (counts["total"] - counts["linear"]) * 2)
+    assert r["kv_cache"] == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * 32 * 3072
+    assert r["all_to_all"] == 0 and r["ranks"] == 1
+    assert r["total"] == r["weights"] + r["kv_cache"] + r["logits"]
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 2), (4, 4), (2, 4), (4, 2)])
+def test_parallel_ranks_hold_the_policy_once_plus_the_replicated_parts(tp, ep):
+    """Over the W = max(tp, ep) ranks of a worker, the weights add up to the whole policy plus the copies
+    that the layout replicates: routed experts W / ep times, tp-split parts W / tp times, norms and routers
+    W times (bf16, flash: 4 KV heads, so no KV head is replicated at tp <= 4)."""
+    from ebpo.infra.memory_plan import parameter_groups, rollout_memory
+
+    c = load_preset("flash")
+    g = parameter_groups(c)
+    W = max(tp, ep)
+    r = rollout_memory(c, False, 32, 3072, 32, tp, ep, 1024)
+    whole = 2 * sum(g.values())
+    copies = 2 * (g["routed"] * (W // ep - 1) + (g["q"] + g["kv"] + g["mlp"] + g["vocab"]) * (W // tp - 1)
+                  + g["replicated"] * (W - 1))
+    assert W * r["weights"] == pytest.approx(whole + copies, rel=1e-12)
+    # the KV cache: each attention group of tp ranks holds its 1/(W/tp) of the sequences, 4/tp KV heads each
+    one = rollout_memory(c, False, 32, 3072, 32)["kv_cache"]
+    assert r["kv_cache"] == pytest.approx(one / tp / (W // tp))
+
+
+def test_kv_heads_are_replicated_when_ranks_outnumber_them():
+    from ebpo.infra.memory_plan import rollout_memory
+
+    c = load_preset("flash")  # 4 KV heads
+    r4, r8 = (rollout_memory(c, True, 32, 3072, 32, tp, tp, 1024) for tp in (4, 8))
+    assert r4["kv_heads_per_rank"] == r8["kv_heads_per_rank"] == 1 and r8["kv_cache"] == r4["kv_cache"]
+    assert r8["weights"] < r4["weights"]
+
+
+def test_all_to_all_buffers_follow_the_largest_forward():
+    """Dispatch + combine, each a send buffer (a rank's tokens x top-k) and a worst-case receive buffer (every
+    EP rank's tokens, min(k, E / ep) copies each), bf16 hidden states; the largest forward admits every
+    sequence with its prompt blocks."""
+    from ebpo.infra.memory_plan import rollout_memory
+
+    c = load_preset("flash")
+    r = rollout_memory(c, True, 32, 3072, 32, 4, 4, 1024)
+    tokens_per_rank = 32 * (1024 // 32 + 1) * 32 // 4
+    k = c.num_experts_per_tok
+    assert r["all_to_all"] == 2 * (tokens_per_rank * k + 4 * tokens_per_rank * k) * c.hidden_size * 2
+    assert rollout_memory(c, True, 32, 3072, 32, 4, 1, 1024)["all_to_all"] == 0  # no expert parallelism
+
+
+def test_flash_80gb_recipe_fits_four_nodes_of_80gb(capsys):
+    from ebpo.cli import main
+
+    assert main(["plan", FLASH_80GB, "model=preset:flash", "--nodes", "4", "--gpu-mem-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" not in out and "4 ranks (tensor_parallel 4, expert_parallel 4)" in out
+    assert "all-to-all buffers" in out
+    # the single-GPU flash recipe does not fit the same cluster: its rollout worker holds the whole policy
+    assert main(["plan", "recipes/rl_math_llada21_flash.yaml", "model=preset:flash", "--nodes", "4"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_flash_80gb_plan_breaks_with_too_few_ranks_or_gpus(capsys):
+    from ebpo.cli import main
+
+    base = [FLASH_80GB, "model=preset:flash", "--nodes", "4"]
+    # one rank per worker: the whole FP8 policy on one 80 GB GPU
+    assert main(["plan", *base, "rollout.tensor_parallel=1", "rollout.expert_parallel=1"]) == 1
+    rollout = capsys.readouterr().out.split("rollout worker")[1]
+    assert "DOES NOT FIT" in rollout
+    # 4 workers x 8 ranks + 16 learner ranks: more GPUs than 4 x 8
+    assert main(["plan", *base, "rollout.tensor_parallel=8", "rollout.expert_parallel=8"]) == 1
+    assert "the recipe asks for 48 GPUs; the cluster has 32" in capsys.readouterr().out
+    # the recipe on two nodes
+    assert main(["plan", FLASH_80GB, "model=preset:flash", "--nodes", "2"]) == 1
+    assert "the cluster has 16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.tensor_parallel=3", "rollout.expert_parallel=1"],
+     "rollout.tensor_parallel = 3: the model's 32 attention heads must be divisible by it and its 4 KV heads "
+     "divisible by it or dividing it; allowed: [1, 2, 4, 8, 16, 32]"),
+    (["rollout.tensor_parallel=64"], "rollout.tensor_parallel = 64: the model's 32 attention heads"),
+    (["rollout.expert_parallel=12"], "rollout.expert_parallel = 12: the model's 256 routed experts must be divisible "
+                                     "by it; allowed: [1, 2, 4, 8, 16, 32, 64, 128, 256]"),
+    (["rollout.expert_parallel=6"], "rollout.expert_parallel = 6 and rollout.tensor_parallel = 4: one must divide "
+                                    "the other"),
+    (["rollout.expert_parallel=0"], "rollout.expert_parallel: must be an integer >= 1"),
+])
+def test_plan_refuses_a_layout_the_model_cannot_take(overrides, message, capsys):
+    from ebpo.cli import main
+
+    assert main(["plan", FLASH_80GB, "model=preset:flash", "--nodes", "4", *overrides]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parallel_check_against_heads_kv_heads_and_experts():
+    from ebpo.infra.config import ConfigError
+    from ebpo.rl.config import RolloutConfig
+
+    # 12 query heads, 8 KV heads: tp 3 divides the heads but neither divides nor is divided by the KV heads
+    for tp in (1, 2, 4):
+        RolloutConfig(tensor_parallel=tp).check_parallel(12, 8, 64)
+    for tp in (3, 6, 12, 5):
+        with pytest.raises(ConfigError, match=r"rollout.tensor_parallel = \d+: .* allowed: \[1, 2, 4\]"):
+            RolloutConfig(tensor_parallel=tp).check_parallel(12, 8, 64)
+    RolloutConfig(tensor_parallel=8).check_parallel(32, 4, 256)  # 8 ranks, 4 KV heads: each replicated twice
+    RolloutConfig(expert_parallel=64).check_parallel(32, 4, 64)
+    with pytest.raises(ConfigError, match=r"rollout.expert_parallel = 3: the model's 64 routed experts .* allowed: "
+                                          r"\[1, 2, 4, 8, 16, 32, 64\]"):
+        RolloutConfig(expert_parallel=3).check_parallel(32, 4, 64)
+    with pytest.raises(ConfigError, match="allowed"):
+        RolloutConfig(expert_parallel=128).check_parallel(32, 4, 64)
