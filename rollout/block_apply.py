@@ -44,11 +44,37 @@ class SlotTensors:
 
 
 def apply_block_steps(st: SlotTensors, seqs: list, results: list[tuple], cfg, K: int, mask_id: int,
-                      lev_ids: tuple[int, int] | None, events: list | None) -> tuple[list[bool], list[bool]]:
+                      lev_ids, events: list | None) -> tuple[list[bool], list[bool]]:
     """One draft-and-edit iteration for each sequence of `seqs` (all decoding a block); `results[i]` its
-    candidates (tok, prob, eprob) over its block. Returns, per sequence, whether its block ended and whether
-    this iteration wrote anything (a block that ended without a write has final keys/values in the cache).
-    Appends a `StepEvent` per sequence to `events` when given."""
+    candidates (tok, prob, eprob) over its block. cfg: one `DecodeConfig` for all, or a list with each sequence's
+    own; lev_ids: (DELETE id, INSERT id) or None, or a list with each sequence's. Rows with the same settings
+    take one batched step; the decisions of a row depend only on its own candidates and settings.
+    Returns, per sequence, whether its block ended and whether this iteration wrote anything (a block that
+    ended without a write has final keys/values in the cache). Appends a `StepEvent` per sequence to `events`
+    when given, in the order of `seqs`."""
+    n = len(seqs)
+    cfgs = list(cfg) if isinstance(cfg, (list, tuple)) else [cfg] * n
+    levs = list(lev_ids) if isinstance(lev_ids, list) else [lev_ids] * n
+    groups: dict = {}
+    for i in range(n):
+        groups.setdefault((cfgs[i], levs[i]), []).append(i)
+    done, wrote = [False] * n, [False] * n
+    evs: list = [None] * n
+    for (c, lev), members in groups.items():
+        ev = [] if events is not None else None
+        d, w = _apply_group(st, [seqs[i] for i in members], [results[i] for i in members], c, K, mask_id, lev, ev)
+        for j, i in enumerate(members):
+            done[i], wrote[i] = d[j], w[j]
+            if ev is not None:
+                evs[i] = ev[j]
+    if events is not None:
+        events.extend(evs)
+    return done, wrote
+
+
+def _apply_group(st: SlotTensors, seqs: list, results: list[tuple], cfg, K: int, mask_id: int,
+                 lev_ids: tuple[int, int] | None, events: list | None) -> tuple[list[bool], list[bool]]:
+    """`apply_block_steps` for sequences that share one `DecodeConfig`."""
     dev = st.canvas.device
     slots = torch.tensor([s.slot for s in seqs], device=dev)
     pos = torch.tensor([s.block * K for s in seqs], device=dev)[:, None] + torch.arange(K, device=dev)

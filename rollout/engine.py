@@ -61,6 +61,8 @@ class Engine:
         self.K = cfg.block_size or mcfg.block_size
         self.mask_id, self.eos_ids = int(mcfg.mask_token_id), eos_ids_of(mcfg)
         self.lev_ids = _lev_ids(cfg, mcfg)
+        self.model_lev_ids = _model_lev_ids(mcfg)
+        self.next_id = 0  # sequence ids stay unique when a long-lived engine forgets finished sequences
         self.on_step, self.on_turn, self.progress = on_step, on_turn, progress
         param = next(model.parameters())
         self.device, self.T, self.max_batch = param.device, round_up(canvas_len, self.K), max(1, int(max_batch))
@@ -87,18 +89,63 @@ class Engine:
 
     # ---- the public loop
     def submit(self, prompt: list[int], generator: torch.Generator | None = None, env=None,
-               max_new_tokens: int | None = None) -> Sequence:
+               max_new_tokens: int | None = None, config=None) -> Sequence:
         """Queue one sequence (prompt token ids; its own generator when sampling; an environment, already
-        reset, for a multi-turn rollout; a single-turn length other than `cfg.max_new_tokens`). Returns its
-        `Sequence`, filled in as it decodes."""
-        s = Sequence(id=len(self.sequences), prompt=[int(t) for t in prompt], generator=generator, env=env,
-                     max_new=int(max_new_tokens or self.cfg.max_new_tokens))
+        reset, for a multi-turn rollout; a single-turn length other than its config's `max_new_tokens`; its own
+        `DecodeConfig`, default the engine's: sequences with different settings share forwards, see
+        `settings_for`). Returns its `Sequence`, filled in as it decodes."""
+        cfg = self.settings_for(config)
+        s = Sequence(id=self.next_id, prompt=[int(t) for t in prompt], generator=generator, env=env,
+                     max_new=int(max_new_tokens or cfg.max_new_tokens), cfg=cfg)
         if len(s.prompt) + (s.max_new if env is None else 1) > self.T:
             raise ValueError(f"Engine.submit: a prompt of {len(s.prompt)} tokens does not fit the canvas of "
                              f"{self.T} positions")
+        self.next_id += 1
         self.sequences.append(s)
         self.queue.append(s)
         return s
+
+    def settings_for(self, config):
+        """The `DecodeConfig` a sequence decodes with (`config`, or the engine's when None), checked against
+        what is fixed per engine: the block size (every row of a forward has the model's blocks), the prefix
+        cache and the compiled step (the engine's own choices, which a request cannot change; the compiled step
+        also fixes every decoding threshold: it is one graph for one setting). ValueError names the field."""
+        if config is None:
+            return self.cfg
+        K = config.block_size or self.model.config.block_size
+        if K != self.K:
+            raise ValueError(f"DecodeConfig.block_size: this engine decodes blocks of {self.K} tokens, got {K}; "
+                             f"the block size is fixed per engine")
+        for name in ("use_cache", "compiled_step"):
+            if getattr(config, name) != getattr(self.cfg, name):
+                raise ValueError(f"DecodeConfig.{name}: this engine runs with {name}={getattr(self.cfg, name)}, "
+                                 f"got {getattr(config, name)}; it is fixed per engine")
+        if self.cfg.compiled_step and config.replace(max_new_tokens=self.cfg.max_new_tokens,
+                                                     max_batch=self.cfg.max_batch) != self.cfg:
+            raise ValueError("DecodeConfig: the compiled step decodes every sequence with the engine's settings; "
+                             "only max_new_tokens may differ per sequence (use the eager engine for mixed settings)")
+        if config.levenshtein:
+            _lev_ids(config, self.model.config)
+        return config
+
+    def abort(self, s: Sequence) -> None:
+        """Stop `s` now (a client that went away): a queued sequence leaves the queue, an active one frees its
+        slot before the next forward. It ends FINISHED with stop "aborted" and what it had decoded so far."""
+        if s.status == FINISHED:
+            return
+        s.stop, s.end_time = "aborted", time.monotonic()
+        if s.status == QUEUED:
+            if s in self.queue:
+                self.queue.remove(s)
+            s.status = FINISHED
+            return
+        self._release(s, s.num_blocks * self.K if s.env is None else s.length)
+
+    def forget_finished(self) -> list[Sequence]:
+        """Drop finished sequences from `sequences` (a long-lived engine must not grow); returns them."""
+        done = [s for s in self.sequences if s.status == FINISHED]
+        self.sequences = [s for s in self.sequences if s.status != FINISHED]
+        return done
 
     def run(self) -> list[Sequence]:
         """Step until every submitted sequence is finished; returns them in submission order."""
@@ -180,14 +227,17 @@ class Engine:
         engine's weights: its keys/values are recomputed from position 0 by its next forward (exactly what the
         block's conditional under the new version needs). Queued sequences are queued again."""
         if s.status != QUEUED:  # refuse before recording it: a refused sequence is not this engine's
-            sid = len(self.sequences)
+            sid = self.next_id
             if not s.at_block_boundary:
                 raise ValueError(f"Engine.adopt: sequence {sid} is not at a block boundary (status {s.status})")
             if len(s.canvas) > self.T and any(t != self.mask_id for t in s.canvas[self.T:]):
                 raise ValueError(f"Engine.adopt: sequence {sid} holds {len(s.canvas)} positions, the canvas {self.T}")
             if not self.free:
                 raise ValueError("Engine.adopt: no free slot (adopt before submitting new sequences)")
-        s.id = len(self.sequences)
+        s.id = self.next_id
+        self.next_id += 1
+        if s.cfg is None:
+            s.cfg = self.cfg
         self.sequences.append(s)
         if s.status == QUEUED:
             self.queue.append(s)
@@ -256,8 +306,9 @@ class Engine:
         plan = plan_rows(ready, self.cache, self.K)
         slots = [s.slot for s in ready]
         hidden = run_model(self.model, self.slots.canvas, slots, plan, self.cache, self.K, self.mask_id)
+        cfgs, levs = [s.cfg for s in ready], [self._lev_of(s) for s in ready]
         results = row_candidates(self.model, hidden, self.slots.canvas, slots, plan, [s.generator for s in ready],
-                                 self.cfg, self.mask_id, self.lev_ids)
+                                 cfgs, self.mask_id, levs)
         self.num_forwards += 1
         self.row_forwards += len(ready)
         events = [] if self.on_step is not None else None
@@ -266,7 +317,8 @@ class Engine:
         mbe_i = [i for i, s in enumerate(ready) if s.mbe_start is not None]  # before a block's end opens a window
         if block_i:
             done, wrote = apply_block_steps(self.slots, [ready[i] for i in block_i], [results[i] for i in block_i],
-                                            self.cfg, self.K, self.mask_id, self.lev_ids, events)
+                                            [cfgs[i] for i in block_i], self.K, self.mask_id,
+                                            [levs[i] for i in block_i], events)
             for j, i in enumerate(block_i):
                 # commit the blocks before the active one; the active block too when it ended with a step that
                 # wrote nothing (its keys/values were then computed from its final tokens)
@@ -274,13 +326,14 @@ class Engine:
                 if done[j]:
                     self.block_ended(ready[i])
         for i in mbe_i:
-            if apply_mbe_pass(self.slots, ready[i], results[i], plan.t_start[i], plan.t_len[i], self.cfg, self.K,
+            if apply_mbe_pass(self.slots, ready[i], results[i], plan.t_start[i], plan.t_len[i], cfgs[i], self.K,
                               events):
                 self._mbe_over(ready[i])
         if self.cache is not None:
             self.cache.commit(commit)  # MBE rows commit 0: their window keys used a non-block-causal mask
+        by_id = {s.id: s for s in ready}
         for ev in events or []:
-            s = self.sequences[ev.seq]
+            s = by_id[ev.seq]
             ev.finished = s.status == FINISHED
             end = s.num_blocks * self.K
             ev.canvas = s.canvas[:end] if ev.finished else self.slots.canvas[s.slot, :end].tolist()
@@ -291,8 +344,8 @@ class Engine:
         """The active block of `s` ended: an MBE window if MBE is on and the turn has an earlier block, else
         `after_block` (eos: whether the generated region holds EOS, when the caller already knows)."""
         lo = self._same_version_from(s)
-        if self.cfg.mbe_window > 0 and s.block > lo:
-            s.mbe_start = max(lo, s.block - self.cfg.mbe_window)
+        if s.cfg.mbe_window > 0 and s.block > lo:
+            s.mbe_start = max(lo, s.block - s.cfg.mbe_window)
             s.mbe_passes, s.mbe_first_changed, s.status = 0, None, MBE
         else:
             self.after_block(s, eos)
@@ -326,7 +379,7 @@ class Engine:
             end = min(s.prompt_len + s.max_new, (s.block + 1) * K)
             if eos is None:
                 eos = first_eos(self.slots.canvas[s.slot, s.prompt_len:end].tolist(), self.eos_ids) is not None
-            if (self.cfg.stop_at_eos and eos) or s.block + 1 >= s.num_blocks:
+            if (s.cfg.stop_at_eos and eos) or s.block + 1 >= s.num_blocks:
                 self._release(s, s.num_blocks * K)
             else:
                 self._start_block(s, s.block + 1)
@@ -434,6 +487,17 @@ class Engine:
         self._start_block(s, s.start // self.K)
         if self.static is not None:
             self.static.resume(self, s)
+
+
+    def _lev_of(self, s: Sequence) -> tuple[int, int] | None:
+        return self.model_lev_ids if s.cfg.levenshtein else None
+
+
+def _model_lev_ids(mcfg) -> tuple[int, int] | None:
+    """(DELETE id, INSERT id) of a model trained for Levenshtein editing, else None."""
+    if getattr(mcfg, "delete_token_id", None) is None:
+        return None
+    return int(mcfg.delete_token_id), int(mcfg.insert_token_id)
 
 
 def _lev_ids(cfg, mcfg) -> tuple[int, int] | None:

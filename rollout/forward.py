@@ -62,33 +62,49 @@ def run_model(model, canvas: torch.Tensor, slots: list[int], plan: RowPlan, cach
 
 
 def row_candidates(model, hidden: torch.Tensor, canvas: torch.Tensor, slots: list[int], plan: RowPlan, gens: list,
-                   cfg, mask_id: int, lev_ids: tuple[int, int] | None) -> list[tuple]:
+                   cfg, mask_id: int, lev_ids) -> list[tuple]:
     """(tok (t_len,) long, prob (t_len,) fp32, eprob (t_len, 2) fp32 or None) for every row of the forward.
 
-    gens: per row, its generator (None when greedy). lev_ids: (DELETE id, INSERT id) when Levenshtein editing
-    is on: their probabilities are priced from the logits, then they are kept out of the written tokens.
+    gens: per row, its generator (None when greedy). cfg: one `DecodeConfig` for every row, or a list with each
+    row's own (requests with different settings share the forward). lev_ids: (DELETE id, INSERT id) when
+    Levenshtein editing is on, or a list with each row's (None where off): their probabilities are priced from the
+    logits, then they are kept out of the written tokens. Rows are grouped by target length and by sampling
+    settings; a row's candidates depend only on its own hidden states, settings and generator.
     """
-    dev = hidden.device
-    results: list[tuple | None] = [None] * len(slots)
-    for length in sorted(set(plan.t_len)):
-        members = [i for i, tl in enumerate(plan.t_len) if tl == length]
-        h = gather_span(hidden[members], [plan.t_start[i] - plan.q_start[i] for i in members], length)
-        logits = model.lm_head(h).float()
-        # design choice: a written token is never <|mask|> (a trained model gives it ~0 probability; an
-        # untrained one would otherwise "fill" a mask with a mask and stall the block)
-        logits[..., mask_id] = float("-inf")
-        eprob = None
-        if lev_ids is not None:
-            eprob = edit_probs(logits, *lev_ids)
-            logits[..., list(lev_ids)] = float("-inf")
-        suppress = None
-        if cfg.repetition_penalty:
-            pos = torch.tensor([plan.t_start[i] for i in members], device=dev)[:, None] + torch.arange(length, device=dev)
-            member_rows = torch.tensor([slots[i] for i in members], device=dev)
-            prev = canvas[member_rows[:, None], (pos - 1).clamp(min=0)].masked_fill(pos == 0, mask_id)
-            suppress = penalty_targets(prev, mask_id)
-        g = [gens[i] for i in members] if cfg.temperature > 0 else None
-        tok, prob = candidates(logits, cfg.temperature, cfg.top_k, cfg.top_p, g, suppress, cfg.repetition_penalty)
-        for j, i in enumerate(members):
-            results[i] = (tok[j], prob[j], None if eprob is None else eprob[j])
+    n = len(slots)
+    cfgs = list(cfg) if isinstance(cfg, (list, tuple)) else [cfg] * n
+    levs = list(lev_ids) if isinstance(lev_ids, list) else [lev_ids] * n
+    results: list[tuple | None] = [None] * n
+    groups: dict = {}
+    for i in range(n):
+        c = cfgs[i]
+        key = (plan.t_len[i], c.temperature, c.top_k, c.top_p, c.repetition_penalty, levs[i])
+        groups.setdefault(key, []).append(i)
+    for (length, *_), members in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        _group_candidates(model, hidden, canvas, slots, plan, gens, cfgs[members[0]], mask_id, levs[members[0]],
+                          members, length, results)
     return results
+
+
+def _group_candidates(model, hidden, canvas, slots, plan, gens, cfg, mask_id, lev_ids, members, length, results):
+    """Candidates of the rows `members` (one target length, one sampling setting) into `results`."""
+    dev = hidden.device
+    h = gather_span(hidden[members], [plan.t_start[i] - plan.q_start[i] for i in members], length)
+    logits = model.lm_head(h).float()
+    # design choice: a written token is never <|mask|> (a trained model gives it ~0 probability; an
+    # untrained one would otherwise "fill" a mask with a mask and stall the block)
+    logits[..., mask_id] = float("-inf")
+    eprob = None
+    if lev_ids is not None:
+        eprob = edit_probs(logits, *lev_ids)
+        logits[..., list(lev_ids)] = float("-inf")
+    suppress = None
+    if cfg.repetition_penalty:
+        pos = torch.tensor([plan.t_start[i] for i in members], device=dev)[:, None] + torch.arange(length, device=dev)
+        member_rows = torch.tensor([slots[i] for i in members], device=dev)
+        prev = canvas[member_rows[:, None], (pos - 1).clamp(min=0)].masked_fill(pos == 0, mask_id)
+        suppress = penalty_targets(prev, mask_id)
+    g = [gens[i] for i in members] if cfg.temperature > 0 else None
+    tok, prob = candidates(logits, cfg.temperature, cfg.top_k, cfg.top_p, g, suppress, cfg.repetition_penalty)
+    for j, i in enumerate(members):
+        results[i] = (tok[j], prob[j], None if eprob is None else eprob[j])

@@ -30,6 +30,7 @@ class Sequence:
     generator: torch.Generator | None = None
     env: object | None = None  # an environment (reset/step) for a multi-turn rollout; None: single-turn
     max_new: int = 0  # single-turn: generated positions after the prompt (DecodeConfig.max_new_tokens by default)
+    cfg: object = None  # its `DecodeConfig` (requests with different settings share one engine and its forwards)
     status: str = QUEUED
     slot: int | None = None
     start: int = 0  # first writable position of the current turn

@@ -2,20 +2,27 @@
 
     ebpo serve --model tiny-agent --port 8000
     ebpo serve --model DIR --mode speed --max-batch 32 --max-len 4096 --set tau_edit=0.3
+    EBPO_API_KEY=secret ebpo serve --host 0.0.0.0        # beyond this machine: always with a key
 
 Then any OpenAI client talks to it::
 
     from openai import OpenAI
-    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")  # the key, when the server has one
     r = client.chat.completions.create(model="tiny-agent", messages=[{"role": "user", "content": "Compute 482*37."}],
                                        extra_body={"mode": "quality", "return_token_ids": True})
 """
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import sys
 
 from rollout.config import PRESETS, DecodeConfig, parse_override
+
+from .schema import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
+
+API_KEY_ENV = "EBPO_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=1024, help="most tokens per sequence: prompt + max_tokens")
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require `Authorization: Bearer KEY` on every route (default: ${API_KEY_ENV}; the "
+                        "variable keeps the key out of the process list)")
+    p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2 ** 20,
+                   help="largest request body read, in MiB (413 beyond it)")
+    p.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   help="on SIGTERM, seconds requests in flight get to finish before they are answered 503")
     return p
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable only from this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
 
 
 def build_service(model_spec: str, name: str | None = None, mode: str = "quality", overrides: dict | None = None,
@@ -46,7 +70,7 @@ def build_service(model_spec: str, name: str | None = None, mode: str = "quality
     default = DecodeConfig.preset(mode, **(overrides or {}))
     model = load_model(model_spec, device=device).eval()
     tok = load_model_tokenizer(model_spec)
-    driver = EngineDriver(model, tok, max_batch=max_batch, max_len=max_len).start()
+    driver = EngineDriver(model, tok, max_batch=max_batch, max_len=max_len, engine_config=default).start()
     return ChatService(model, tok, driver, name or model_spec, default), driver
 
 
@@ -55,23 +79,32 @@ def main(argv: list[str]) -> int:
     try:
         overrides = dict(parse_override(s) for s in args.set)
         DecodeConfig.preset(args.mode, **overrides)
+        if not (args.max_body_mb > 0 and args.shutdown_grace_s >= 0):
+            raise ValueError("--max-body-mb must be > 0 and --shutdown-grace-s >= 0")
     except ValueError as err:
         print(f"ebpo serve: {err}", file=sys.stderr)
         return 2
+    if not args.api_key and not is_loopback(args.host):
+        print(f"ebpo serve: WARNING: listening on {args.host} without an API key: anyone who can reach this "
+              f"port can run the model (set --api-key or ${API_KEY_ENV})", file=sys.stderr)
     if args.num_threads:
         import torch
 
         torch.set_num_threads(args.num_threads)
     import uvicorn
 
-    from .app import create_app
+    from .app import GracefulServer, create_app
 
     service, driver = build_service(args.model, args.name, args.mode, overrides, args.max_batch, args.max_len,
                                     args.device)
+    app = create_app(service, api_key=args.api_key or None, max_body_bytes=int(args.max_body_mb * 2 ** 20))
     print(f"ebpo serve: {service.name!r} on http://{args.host}:{args.port}/v1 (max_batch {args.max_batch}, "
-          f"max_len {args.max_len}, default {args.mode})", file=sys.stderr)
+          f"max_len {args.max_len}, default {args.mode}, API key {'required' if args.api_key else 'none'})",
+          file=sys.stderr)
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"),
+                            args.shutdown_grace_s)
     try:
-        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="warning")
+        server.run()
     finally:
-        driver.close()
+        driver.close(timeout=2.0)
     return 0

@@ -1,26 +1,26 @@
-"""`EngineDriver`: one thread that owns the rollout engines of a server and feeds them from many callers.
+"""`EngineDriver`: one thread that owns the server's one rollout engine and feeds it from many callers.
 
 Callers (HTTP request handlers, the agent gateway) call `submit(...)` from any thread and get a
-`concurrent.futures.Future` of the finished `rollout.sequence.Sequence`. Only the driver thread touches an
-engine: it moves submissions from a thread-safe inbox into the engines between two `Engine.step` calls, so
-a request that arrives while a batch is decoding joins it at the next forward (continuous batching), and the
-engine itself needs no lock.
+`concurrent.futures.Future` of the finished `rollout.sequence.Sequence`. Only the driver thread touches the
+engine: it moves submissions (and aborts) from a thread-safe inbox into the engine between two `Engine.step`
+calls, so a request that arrives while a batch is decoding joins it at the next forward (continuous batching),
+and the engine itself needs no lock.
 
-An engine decodes every row of a forward with one `DecodeConfig`, so requests are grouped into *lanes*, one
-engine per distinct config (preset, thresholds, temperature, ...; `max_new_tokens` is per sequence and does
-not split lanes); requests of one lane share forwards. A
-lane whose engine has nothing left to do is dropped once more than `max_lanes` lanes exist. A sequence's
-tokens depend only on its prompt, generator and the weights (`rollout.engine`), never on its lane-mates.
+Every request's `DecodeConfig` travels with its sequences: requests with different temperatures, presets or
+thresholds share the same forwards (`Engine.settings_for` says what must match: the block size, the cache and
+the compiled step). A sequence's tokens depend only on its prompt, generator, settings and the weights
+(`rollout.engine`), never on what else is in the batch. The engine lives as long as the driver.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from rollout.config import DecodeConfig
 from rollout.engine import Engine
 from rollout.sequence import FINISHED
 
@@ -37,36 +37,39 @@ class _Submission:
 
 
 @dataclass
-class _Lane:
-    engine: Engine
-    pending: list = field(default_factory=list)  # (Sequence, Future) pairs not finished yet
-
-    @property
-    def idle(self) -> bool:
-        return not self.pending and not self.engine.queue and not self.engine.active
+class _Abort:
+    future: concurrent.futures.Future
 
 
 class EngineDriver:
-    """Runs the engines of `model` in a daemon thread (`start()`; `close()` stops it).
+    """Runs one engine of `model` in a daemon thread (`start()`; `close()` stops it).
 
-    max_batch: most sequences decoding at once per lane; max_len: the canvas length of every sequence
-    (prompt + generated tokens, + observations for multi-turn), rounded up to whole blocks;
-    mt: a `rollout.multiturn.MultiTurnConfig` for sequences that carry an environment (the agent gateway),
-    None for single-turn serving; max_lanes: idle lanes (engines) kept beyond this many are dropped.
-    Counters (read from any thread): num_forwards (model calls over all lanes), row_forwards (rows in them).
+    max_batch: most sequences decoding at once; max_len: the canvas length of every sequence (prompt + generated
+    tokens, + observations for multi-turn), rounded up to whole blocks; mt: a `rollout.multiturn.MultiTurnConfig`
+    for sequences that carry an environment (the agent gateway), None for single-turn serving; engine_config: the
+    engine's own `DecodeConfig` (block size, prefix cache, compiled step; the default settings of a submission
+    without one). Counters (read from any thread): num_forwards (model calls), row_forwards (rows in them).
     """
 
-    def __init__(self, model, tokenizer, *, max_batch: int = 16, max_len: int = 1024, mt=None, max_lanes: int = 4):
+    def __init__(self, model, tokenizer, *, max_batch: int = 16, max_len: int = 1024, mt=None,
+                 engine_config: DecodeConfig | None = None):
         self.model, self.tokenizer, self.mt = model, tokenizer, mt
-        self.max_batch, self.max_len, self.max_lanes = int(max_batch), int(max_len), int(max_lanes)
-        self.lanes: dict = {}  # DecodeConfig -> _Lane
+        self.max_batch, self.max_len = int(max_batch), int(max_len)
+        self.engine = Engine(model, engine_config or DecodeConfig(), max_batch=self.max_batch, canvas_len=self.max_len,
+                             tokenizer=tokenizer, mt=mt)
+        self.pending: dict = {}  # Future -> Sequence not finished yet
         self.inbox: queue.Queue = queue.Queue()
-        self.num_forwards = 0
-        self.row_forwards = 0
-        self._counted: dict = {}  # lane config -> (num_forwards, row_forwards) already added to the totals
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+
+    @property
+    def num_forwards(self) -> int:
+        return self.engine.num_forwards
+
+    @property
+    def row_forwards(self) -> int:
+        return self.engine.row_forwards
 
     def start(self) -> "EngineDriver":
         self._thread = threading.Thread(target=self._loop, name="ebpo-engine-driver", daemon=True)
@@ -83,8 +86,8 @@ class EngineDriver:
                max_new_tokens: int | None = None, env=None, on_start=None) -> concurrent.futures.Future:
         """Queue one sequence (token ids, its `DecodeConfig`, its own generator when sampling, a single-turn
         length, an environment for a multi-turn sequence); the Future gives the finished `Sequence` (or the
-        ValueError the engine raised: a prompt too long for the canvas, settings the model cannot decode with,
-        such as DELETE / INSERT without their token ids). on_start(sequence, engine)
+        ValueError the engine raised: a prompt too long for the canvas, settings the engine cannot decode with,
+        such as DELETE / INSERT without their token ids or another block size). on_start(sequence, engine)
         is called in the driver thread once the engine holds the sequence (the agent gateway reads a waiting
         turn's token ids from the engine's slot through it)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -94,29 +97,33 @@ class EngineDriver:
         self.inbox.put(_Submission(list(prompt), config, generator, max_new_tokens, env, fut, on_start))
         return fut
 
+    def abort(self, future: concurrent.futures.Future) -> None:
+        """Stop the sequence behind `future` (a client that went away): it leaves the engine before the next
+        forward, frees its slot, and `future.result()` raises `concurrent.futures.CancelledError`.
+        Safe from any thread; a finished or unknown future is left alone."""
+        if future.cancel():  # not picked up by the driver yet: it will skip the submission
+            return
+        self.inbox.put(_Abort(future))
+
     # ---- the driver thread
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
                 self._drain(block=not self._busy())
-                for cfg, lane in list(self.lanes.items()):
-                    lane.engine.step()
-                    self._count(cfg, lane)
-                    self._collect(lane)
-                self._drop_idle()
+                self.engine.step()
+                self._collect()
         except BaseException as e:  # noqa: BLE001 - fail every waiting caller instead of hanging them
             self.error = e
-            for lane in self.lanes.values():
-                for _, fut in lane.pending:
-                    if not fut.done():
-                        fut.set_exception(RuntimeError(f"the engine driver failed: {e!r}"))
+            for fut in self.pending:
+                if not fut.done():
+                    fut.set_exception(RuntimeError(f"the engine driver failed: {e!r}"))
             raise
 
     def _busy(self) -> bool:
-        return any(not lane.idle for lane in self.lanes.values())
+        return bool(self.pending) or bool(self.engine.queue) or bool(self.engine.active)
 
     def _drain(self, block: bool) -> None:
-        """Move every queued submission into its lane's engine (waiting up to 0.1 s for one when idle)."""
+        """Move every queued submission into the engine and apply aborts (waiting up to 0.1 s when idle)."""
         while True:
             try:
                 sub = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
@@ -125,46 +132,33 @@ class EngineDriver:
             block = False
             if sub is None:
                 return
+            if isinstance(sub, _Abort):
+                self._abort(sub.future)
+                continue
             if not sub.future.set_running_or_notify_cancel():
                 continue
             try:
-                lane = self._lane(sub.config.replace(max_new_tokens=1))  # a length per sequence, not per lane
-                seq = lane.engine.submit(sub.prompt, sub.generator, env=sub.env,
-                                         max_new_tokens=sub.max_new or sub.config.max_new_tokens)
+                seq = self.engine.submit(sub.prompt, sub.generator, env=sub.env, max_new_tokens=sub.max_new,
+                                         config=sub.config)
             except ValueError as e:
                 sub.future.set_exception(e)
                 continue
-            lane.pending.append((seq, sub.future))
+            self.pending[sub.future] = seq
             if sub.on_start is not None:
-                sub.on_start(seq, lane.engine)
+                sub.on_start(seq, self.engine)
 
-    def _lane(self, config) -> _Lane:
-        if config not in self.lanes:
-            engine = Engine(self.model, config, max_batch=self.max_batch, canvas_len=self.max_len,
-                            tokenizer=self.tokenizer, mt=self.mt)
-            self.lanes[config] = _Lane(engine)
-            self._counted[config] = (0, 0)
-        return self.lanes[config]
+    def _abort(self, fut: concurrent.futures.Future) -> None:
+        seq = self.pending.pop(fut, None)
+        if seq is None:
+            return
+        self.engine.abort(seq)
+        if not fut.done():  # a running Future cannot be cancel()led; its result() raises CancelledError all the same
+            fut.set_exception(concurrent.futures.CancelledError("aborted by the caller"))
+        self.engine.forget_finished()
 
-    def _count(self, cfg, lane: _Lane) -> None:
-        f0, r0 = self._counted[cfg]
-        self.num_forwards += lane.engine.num_forwards - f0
-        self.row_forwards += lane.engine.row_forwards - r0
-        self._counted[cfg] = (lane.engine.num_forwards, lane.engine.row_forwards)
-
-    def _collect(self, lane: _Lane) -> None:
-        still = []
-        for s, fut in lane.pending:
+    def _collect(self) -> None:
+        for fut, s in list(self.pending.items()):
             if s.status == FINISHED:
+                del self.pending[fut]
                 fut.set_result(s)
-            else:
-                still.append((s, fut))
-        lane.pending = still
-        if lane.idle:
-            lane.engine.sequences.clear()  # nothing refers to them any more: a long-lived server must not grow
-
-    def _drop_idle(self) -> None:
-        idle = [cfg for cfg, lane in self.lanes.items() if lane.idle]
-        for cfg in idle[: max(0, len(self.lanes) - self.max_lanes)]:
-            del self.lanes[cfg]
-            del self._counted[cfg]
+        self.engine.forget_finished()  # nothing refers to them any more: a long-lived server must not grow
