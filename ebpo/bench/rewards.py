@@ -1,5 +1,6 @@
-"""`ebpo bench rewards`: math answers/s and code executions/s, serial vs the worker pool, and the cost
-of a hung call. Prints a table and writes JSON with --json PATH."""
+"""`ebpo bench rewards`: math answers/s, code executions/s and reasoning-gym answers/s (`rg:` rows scored by
+the `reasoning_gym` reward), serial vs the worker pool, and the cost of a hung call. Prints a table and
+writes JSON with --json PATH."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,27 @@ def _code_samples(n: int) -> list[dict]:
     return [{"prompt": "add", "completion": body, "answer": None, "tests": tests, "metadata": {}}] * n
 
 
+RG_TASKS = "basic_arithmetic,puzzle24,countdown,spell_backward,gcd"  # puzzle24, countdown: sympy-parsed answers
+
+
+def _rg_samples(n: int, tasks: str) -> list[dict]:
+    """`n` reasoning-gym rows over `tasks` (as `rg:` sources build them), half answered right (the gold
+    answer in `<answer>` tags), half wrong; [] when reasoning-gym is not installed."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        return []
+    names = [t for t in tasks.split(",") if t]
+    per = -(-n // len(names))
+    out = []
+    for name in names:
+        for k, e in enumerate(reasoning_gym.create_dataset(name, size=per, seed=7)):
+            pred = str(e["answer"]) if k % 2 == 0 else "7 + 7"
+            out.append({"prompt": e["question"], "completion": f"thinking <answer>{pred}</answer>",
+                        "answer": str(e["answer"]), "tests": None, "metadata": e["metadata"]})
+    return out[:n]
+
+
 def _rate(worker, samples, failures: list | None = None) -> tuple[float, float]:
     t0 = time.perf_counter()
     out = worker.score(samples)
@@ -47,6 +69,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="ebpo bench rewards")
     p.add_argument("--math-n", type=int, default=600)
     p.add_argument("--code-n", type=int, default=60)
+    p.add_argument("--rg-n", type=int, default=300, help="reasoning-gym answers (0: skip)")
+    p.add_argument("--rg-tasks", default=RG_TASKS, help="comma-separated reasoning-gym task names")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=2.0, help="per-call timeout for the hung-call test")
     p.add_argument("--sandbox", default="auto")
@@ -56,6 +80,9 @@ def main(argv: list[str]) -> int:
     res: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                  "sandbox": resolve_mode(a.sandbox).mode, "workers": a.workers}
     math_s, code_s = _math_samples(a.math_n), _code_samples(a.code_n)
+    rg_s = _rg_samples(a.rg_n, a.rg_tasks) if a.rg_n > 0 else []
+    if a.rg_n > 0 and not rg_s:
+        res["rg_skipped"] = "reasoning-gym is not installed (pip install -e '.[envs]')"
     code_spec = [("code", 1.0, {"sandbox": a.sandbox})]
     for label, n in (("serial", 0), ("pool", a.workers)):
         with RewardWorker(["math"], num_workers=n, timeout_s=30) as w:
@@ -64,6 +91,10 @@ def main(argv: list[str]) -> int:
         with RewardWorker(code_spec, num_workers=n, timeout_s=30) as w:
             w.score(code_s[:4])
             res[f"code_{label}_per_s"], res["code_mean_score"] = _rate(w, code_s, res.setdefault("code_failures", []))
+        if rg_s:
+            with RewardWorker(["reasoning_gym"], num_workers=n, timeout_s=30) as w:
+                w.score(rg_s[:10])  # warm-up: imports (and the verifier sandbox's start)
+                res[f"rg_{label}_per_s"], res["rg_mean_score"] = _rate(w, rg_s)
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "hang.py")
