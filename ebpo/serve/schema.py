@@ -10,9 +10,17 @@ rather than silently ignored; a few fields that cannot change the result (user, 
 
 Every refusal is a `RequestError`, answered as OpenAI answers: HTTP 4xx with
 `{"error": {"message", "type", "param", "code"}}`.
+
+`decode_body(raw)` turns the raw body into JSON before any field is read, and refuses what no field check
+would see: invalid JSON or UTF-8, nesting deeper than `MAX_JSON_DEPTH` (a body nested 10^4 levels makes the
+JSON decoder itself recurse; one nested a few hundred levels would make the chat template's JSON writer
+recurse later), and lone UTF-16 surrogates (`"\\ud800"` is valid JSON but no valid text: the tokenizer
+cannot encode it). Its work is linear in the body's length; the app runs it off the event loop.
 """
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 
 from rollout.config import PRESETS, DecodeConfig
@@ -23,6 +31,10 @@ IGNORED_FIELDS = ("user", "metadata", "store", "parallel_tool_calls", "service_t
 NEUTRAL_DEFAULTS = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False}
 MAX_N = 16
 MAX_STOP = 4
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: 32 bytes of JSON per token of a 128K-token context
+DEFAULT_SHUTDOWN_GRACE_S = 10.0  # on SIGTERM, the seconds requests in flight get to finish
+MAX_JSON_DEPTH = 32  # objects and arrays inside each other; a real request nests < 12 (tool schemas included)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class RequestError(Exception):
@@ -35,6 +47,47 @@ class RequestError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def decode_body(raw: bytes):
+    """The JSON value of a request body (module docstring); RequestError (400) when it is not UTF-8 JSON,
+    nests deeper than MAX_JSON_DEPTH or holds a lone surrogate, naming the top-level field where it can."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the request body is not UTF-8: {e}", None, "invalid_json") from None
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise RequestError(f"the request nests deeper than {MAX_JSON_DEPTH} levels", None, "too_deep") from None
+    except ValueError as e:
+        raise RequestError(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    check_json(value)
+    return value
+
+
+def check_json(value) -> None:
+    """RequestError when `value` (decoded JSON) nests deeper than MAX_JSON_DEPTH or holds a string (or key)
+    with a lone surrogate. Iterative: no recursion however deep the value."""
+    stack = [(value, 1, None)]
+    while stack:
+        v, depth, top = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                raise RequestError("a string holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid text",
+                                   top, "invalid_text")
+            continue
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(f"the request nests deeper than {MAX_JSON_DEPTH} levels", top, "too_deep")
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        for k, x in items:
+            here = top if top is not None else (k if isinstance(k, str) else None)
+            if isinstance(k, str) and _SURROGATE.search(k):
+                raise RequestError("a key holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid text",
+                                   top, "invalid_text")
+            stack.append((x, depth + 1, here))
 
 
 @dataclass
@@ -125,6 +178,10 @@ def parse_tools(value) -> list[dict] | None:
         if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)
                 and isinstance(fn.get("name"), str)):
             raise RequestError(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
+        if not isinstance(fn.get("parameters", {}), dict):  # a JSON Schema object, as OpenAI requires
+            raise RequestError(f"tools[{j}].function.parameters must be a JSON Schema object", "tools")
+        if not isinstance(fn.get("description", ""), str):
+            raise RequestError(f"tools[{j}].function.description must be a string", "tools")
     return list(value) or None
 
 

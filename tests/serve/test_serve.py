@@ -102,7 +102,8 @@ def test_unknown_model_route_bad_json_and_a_too_long_prompt(served, client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-9", messages=USER)
     assert err.value.body["code"] == "model_not_found"
-    raw = httpx.post(live.base_url + "/chat/completions", content=b"{not json", timeout=30)
+    raw = httpx.post(live.base_url + "/chat/completions", content=b"{not json", timeout=30,
+                     headers={"Content-Type": "application/json"})
     assert raw.status_code == 400 and raw.json()["error"]["code"] == "invalid_json"
     missing = httpx.get(live.base_url + "/nothing-here", timeout=30)
     assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
