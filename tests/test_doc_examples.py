@@ -1,4 +1,4 @@
-"""The Python examples of README.md and docs/*.md run, and print what they say they print.
+"""The Python examples of README.md and the docs/ pages run, and print what they say they print.
 
 Every fenced ```python block is an example. The blocks of one file run in order, in one fresh interpreter
 (cwd = the repository root), as a script whose line numbers are the markdown file's: a traceback names
@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# every page of the site, in sub-folders too; docs/mutation/ holds mutation-testing records, not examples
+DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md")
+                                    if "mutation" not in p.relative_to(ROOT / "docs").parts)]
 MIN_BLOCKS_RUN = 4  # raise it when examples are added; a drop means blocks were skipped or not found
 TIMEOUT_S = 300
 

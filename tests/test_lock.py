@@ -12,8 +12,8 @@ def _lock() -> dict[str, str]:
     return {re.sub(r"[-_.]+", "-", name).lower(): version for name, version in pairs}
 
 
-def test_readme_tested_versions_are_the_locked_ones():
-    text = (ROOT / "README.md").read_text()
+def test_the_documented_tested_versions_are_the_locked_ones():
+    text = (ROOT / "docs" / "getting-started.md").read_text()
     header, _, values = re.search(r"\| torch \| transformers .*\n\|[-|]+\n.*", text).group(0).partition("\n|---")
     names = [c.strip() for c in header.strip("|").split("|")]
     versions = [c.strip() for c in values.splitlines()[-1].strip("|").split("|")]
@@ -28,7 +28,8 @@ def test_every_dependency_of_pyproject_is_locked_and_inside_its_range():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     lock = _lock()
-    for spec in project["dependencies"] + project["optional-dependencies"]["test"]:
+    extras = project["optional-dependencies"]
+    for spec in project["dependencies"] + extras["test"] + extras["docs"]:
         req = Requirement(spec)
         name = re.sub(r"[-_.]+", "-", req.name).lower()
         assert name in lock, f"{name} is a dependency but not in requirements/lock.txt: run scripts/lock.sh"
