@@ -31,6 +31,7 @@ from ebpo.model import BlockKVCache
 from .block_apply import SlotTensors, apply_block_steps, apply_mbe_pass
 from .env_steps import StepRunner, unpack_step
 from .forward import plan_rows, row_candidates, run_model
+from .prefix_share import claim, prompt_tokens_in, settle
 from .sequence import DECODING, FINISHED, MBE, QUEUED, WAITING, Sequence
 from .steps import first_eos
 from .trajectory import TurnRecord
@@ -53,7 +54,8 @@ class Engine:
     """
 
     def __init__(self, model, cfg, *, max_batch: int, canvas_len: int, tokenizer=None, mt=None, on_step=None,
-                 on_turn=None, progress: bool = False, version: int = 0, runner: StepRunner | None = None):
+                 on_turn=None, progress: bool = False, version: int = 0, runner: StepRunner | None = None,
+                 share_prefix: bool = True):
         mcfg = model.config
         self.version = int(version)  # the weights' version: recorded per block (Sequence.block_versions)
         self.holding = False  # drain(): rows at a block boundary wait, nothing is admitted
@@ -86,6 +88,8 @@ class Engine:
         self.t0 = time.monotonic()
         self.num_forwards = 0  # model calls of block steps and MBE passes (the compiled step counts one each)
         self.row_forwards = 0  # sum over those calls of the rows that took part
+        self.prompt_tokens_computed = 0  # prompt positions run by forwards (what shared prompt prefixes save)
+        self.share_prefix = share_prefix and self.cache is not None  # rollout.prefix_share
 
     # ---- the public loop
     def submit(self, prompt: list[int], generator: torch.Generator | None = None, env=None,
@@ -165,13 +169,15 @@ class Engine:
         self._poll_environments()
         if not self.holding:
             self._admit()
-        ready = [s for s in self.active if s.ready and not (self.holding and s.at_block_boundary)]
+        waiting_prefix = [s for s in self.active if self.share_prefix and settle(s, self.cache, self.K)]
+        ready = [s for s in self.active if s.ready and not (self.holding and s.at_block_boundary)
+                 and s not in waiting_prefix]
         waiting = [s for s in self.active if s.status == WAITING]
         if self.mt is not None and not self.mt.continue_ready and waiting:
             ready = []  # baseline of `ebpo bench agent`: the batch pauses while any sequence waits
         if not ready:
             if not waiting:
-                return bool(self.queue)
+                return bool(self.queue) or bool(waiting_prefix)
             concurrent.futures.wait([s.future for s in waiting], timeout=0.05,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
             return True
@@ -252,6 +258,8 @@ class Engine:
         self.slots.block_iters[r] = 0
         if self.cache is not None:
             self.cache.truncate([r], [0])
+            if self.share_prefix:
+                claim(s, self.active, self.cache, self.K)
         if s.env is not None and len(s.generated) < self.T:  # the per-position turn records span the canvas
             s.generated += [False] * (self.T - len(s.generated))
             s.segment += [-1] * (self.T - len(s.segment))
@@ -267,6 +275,8 @@ class Engine:
         self.slots.trace[r].fill_(-1)
         if self.cache is not None:
             self.cache.truncate([r], [0])
+            if self.share_prefix:
+                claim(s, self.active, self.cache, K)
         s.start = s.length = P
         s.first_block = P // K
         if s.env is None:
@@ -311,6 +321,7 @@ class Engine:
                                  cfgs, self.mask_id, levs)
         self.num_forwards += 1
         self.row_forwards += len(ready)
+        self.prompt_tokens_computed += sum(prompt_tokens_in(s, a, b) for s, a, b in zip(ready, plan.q_start, plan.q_end))
         events = [] if self.on_step is not None else None
         commit = [0] * len(ready)
         block_i = [i for i, s in enumerate(ready) if s.mbe_start is None]

@@ -63,6 +63,7 @@ class Sequence:
     # changes weights only when every row is at a block boundary, so each block is decoded under one version
     block_versions: dict = field(default_factory=dict)
     tag: object = None  # the caller's key for the sequence (partial rollouts: its prompt group)
+    prefix_source: object = None  # a live sequence with the same prompt blocks whose keys/values it will copy
     # copied out of the slot when the sequence finishes (or is exported at a block boundary)
     canvas: list[int] = field(default_factory=list)
     trace: list[int] = field(default_factory=list)

@@ -6,7 +6,7 @@
     ebpo export RUN_DIR OUT_DIR              write a Hugging Face folder
     ebpo plan RECIPE.yaml [key=value ...]    memory per GPU of an RL recipe on a cluster shape
     ebpo serve [--model M] [--port P]        OpenAI-compatible chat completions (ebpo.serve)
-    ebpo bench NAME [...]                    benchmarks: decode, likelihood, rewards, kernels, agent, check
+    ebpo bench NAME [...]                    benchmarks: decode, likelihood, rewards, kernels, agent, check, gpu
 
 The top-level parser picks the command; each command's own argparse parser, in the module that owns the
 feature, parses the rest (so `ebpo <command> --help` is that parser's help and the CLI never grows into a
@@ -38,8 +38,12 @@ BENCHMARKS = {
     "learner": ("ebpo.bench.learner:main", "EBPO learner tokens/s: token-budget micro-batches, W = 1 vs 2 ranks"),
     "agent": ("ebpo.bench.agent:main", "multi-turn decoding: ready sequences continuing past one waiting on its tool"),
     "check": ("ebpo.bench.check:main", "headline ratios of the benchmarks against committed baselines"),
-    "serve": ("ebpo.bench.serve:main", "ebpo serve: requests/s of 16 concurrent clients vs one at a time"),
+    "serve": ("ebpo.bench.serve:main", "ebpo serve: requests/s of 16 concurrent clients vs one at a time, or of "
+              "mixed settings vs one (--mixed)"),
+    "prefix": ("ebpo.bench.prefix:main", "shared prompt prefixes: 512-token prompts x G = 8, sharing off vs on"),
     "partial": ("ebpo.bench.partial:main", "RL step on long-tailed answers: sync, max_staleness=1, + partial rollouts"),
+    "gpu": ("ebpo.bench.gpu:main", "the GPU acceptance run (GPU tests, decode vs the HBM floor, FP8, likelihood); "
+            "--device cpu: tiny sizes"),
 }
 
 

@@ -117,6 +117,16 @@ class BlockKVCache:
         for i, r in enumerate(view.rows_list):
             self.lengths[r] += n[i]
 
+    def copy_prefix(self, src: int, dst: int, num_tokens: int) -> None:
+        """Give row `dst` the first `num_tokens` committed keys/values of row `src` (a shared prompt: computed
+        once, copied to every sequence that starts with it). Row `dst`'s length becomes `num_tokens`."""
+        if not 0 <= num_tokens <= self.lengths[src]:
+            raise ValueError(f"BlockKVCache.copy_prefix: row {src} holds {self.lengths[src]} tokens, asked {num_tokens}")
+        for k, v in zip(self.k, self.v):
+            k[dst, :num_tokens] = k[src, :num_tokens]
+            v[dst, :num_tokens] = v[src, :num_tokens]
+        self.lengths[dst] = num_tokens
+
     def truncate(self, rows: list[int], new_lengths: list[int]) -> None:
         """Forget everything past `new_lengths` for `rows` (used when an edit reaches back into the prefix)."""
         for r, n in zip(rows, new_lengths):
