@@ -134,15 +134,16 @@ async def supervise(request: Request, work: asyncio.Future, shutdown: Shutdown |
         watchers.add(asyncio.ensure_future(shutdown.expired().wait()))
     try:
         await asyncio.wait(watchers | {work}, return_when=asyncio.FIRST_COMPLETED)
+        client_gone = gone.done()
     finally:
         for t in watchers:
             t.cancel()
         if not work.done():
             work.cancel()  # its cleanup (aborting sequences) runs synchronously in the cancelled coroutine
-    if work.done():
+    if work.done() and not work.cancelled():
         return work.result()
     await asyncio.gather(work, return_exceptions=True)
-    if gone.done():
+    if client_gone:
         return _error(499, "the client closed the request", "invalid_request_error", code="client_closed")
     raise RequestError("the server is shutting down: the request did not finish within the shutdown grace",
                        None, "server_shutting_down", status=503, type="server_error")
