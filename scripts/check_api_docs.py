@@ -27,6 +27,11 @@ DIRECTIVE = re.compile(r"^:::\s+([\w.]+)\s*$", re.M)
 # work in progress. Each one is reported (not failed) until it gets its docstring; then delete it from here (a
 # name listed here that has a docstring fails the check, so the list only shrinks). A new undocumented name fails.
 KNOWN_GAPS = frozenset({
+    "ebpo.rl.config.EnvConfig.multi_turn",
+    "rewards.envs.Tool.name",
+    "rollout.trajectory.Trajectory.num_generated",
+    "rollout.trajectory.Trajectory.tool_calls",
+    "ebpo.serve.app.BackgroundServer.base_url",
     "ebpo.rl.config.DataConfig",
     "ebpo.rl.config.DataConfig.validate",
     "ebpo.rl.config.RolloutConfig",
@@ -108,8 +113,8 @@ def undocumented(paths: list[str], search: list[str] | None = None) -> list[str]
         if target.path in seen:
             return
         seen.add(target.path)
-        if target.is_attribute:
-            return
+        if target.is_attribute and "property" not in target.labels:
+            return  # a field or constant: documented by doc(...) (recipe keys), not a docstring
         if not (target.docstring and target.docstring.value.strip()):
             missing.append(shown_as)
         if target.is_module:
