@@ -215,17 +215,17 @@ def test_which_hosts_are_loopback(host, local):
     assert is_loopback(host) is local
 
 
-# ---- a client that goes away, and shutdown: a server whose every forward takes 50 ms
+# ---- a client that goes away, and shutdown: a server whose every forward takes 250 ms more
 
 @pytest.fixture()
 def slow_server():
     """(ChatService, EngineDriver, BackgroundServer with a 0.5 s shutdown grace) of tiny-agent whose forwards each
-    sleep 50 ms: a 400-token request decodes for seconds."""
+    sleep 250 ms: the long request below takes 20 forwards or more (about 69 tokens per choice), 5 s or more."""
     from ebpo.serve.app import BackgroundServer, create_app
     from ebpo.serve.cli import build_service
 
     service, driver = build_service("tiny-agent", max_batch=16, max_len=512)
-    service.model.register_forward_pre_hook(lambda *_: time.sleep(0.05))
+    service.model.register_forward_pre_hook(lambda *_: time.sleep(0.25))
     live = BackgroundServer(create_app(service), grace_s=0.5)
     yield service, driver, live
     live.stop()
@@ -233,27 +233,26 @@ def slow_server():
 
 
 def _long_request(live, timeout):
-    body = json.dumps({"model": "tiny-agent", "messages": USER, "n": 4, "max_tokens": 400, "temperature": 1.0})
+    body = json.dumps({"model": "tiny-agent", "messages": USER, "n": 4, "max_tokens": 400, "temperature": 1.0,
+                       "seed": 0})
     return httpx.post(live.base_url + "/chat/completions", content=body, headers=JSON, timeout=timeout)
 
 
-def _forwards_settle(driver, within_s: float) -> bool:
-    """Whether the driver stops running forwards (none for 0.5 s) within `within_s` seconds."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        before = driver.num_forwards
-        time.sleep(0.5)
-        if driver.num_forwards == before:
-            return True
-    return False
+def _idle_after(driver, settle_s: float, watch_s: float = 2.0) -> bool:
+    """Whether the driver runs no forward at all in the `watch_s` seconds after `settle_s` seconds (for an abort
+    to take effect): a request left to decode would run one every 250 ms or so."""
+    time.sleep(settle_s)
+    before = driver.num_forwards
+    time.sleep(watch_s)
+    return driver.num_forwards == before
 
 
 def test_a_client_that_goes_away_stops_costing_forwards(slow_server):
     service, driver, live = slow_server
     with pytest.raises(httpx.ReadTimeout):
-        _long_request(live, timeout=1.5)
+        _long_request(live, timeout=1.0)
     assert driver.num_forwards > 0
-    assert _forwards_settle(driver, within_s=2.0), "the abandoned request is still decoding"
+    assert _idle_after(driver, settle_s=1.5), "the abandoned request is still decoding"
     # the server is fine afterwards: a fresh request is answered
     r = httpx.post(live.base_url + "/chat/completions", headers=JSON, timeout=60,
                    content=json.dumps({"model": "tiny-agent", "messages": USER, "max_tokens": 8}))
@@ -276,7 +275,7 @@ def test_shutdown_answers_what_is_in_flight_and_exits_within_the_grace(slow_serv
     assert not live.thread.is_alive() and exited < 0.5 + 1.5, exited
     err = _assert_openai_error(r, 503, "server_shutting_down")
     assert err["type"] == "server_error"
-    assert _forwards_settle(driver, within_s=2.0), "the shut-down request is still decoding"
+    assert _idle_after(driver, settle_s=0.5), "the shut-down request is still decoding"
 
 
 @pytest.mark.slow
