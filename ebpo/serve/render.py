@@ -11,13 +11,14 @@ through the chat template alone, with the generation prompt.
 The model's text comes back as an OpenAI assistant message: the `<tool_call>` blocks are parsed with the
 linear parser of `rewards.envs.tools` and returned as `tool_calls` (finish_reason "tool_calls"), the rest of
 the text as `content`. A malformed call stays in the content: the caller sees what the model wrote.
+`tool_call_records` gives the same calls as an environment records them (the agent gateway's turns).
 """
 from __future__ import annotations
 
 import json
 
 from ebpo.core.turns import OBSERVATION_TEMPLATE, layout_segments
-from rewards.envs.tools import parse_tool_calls, tool_call_bodies
+from rewards.envs.tools import parse_tool_calls, tool_call_bodies, validate_arguments
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -109,6 +110,28 @@ def assistant_message(text: str, call_ids: list[str]) -> tuple[dict, bool]:
                    "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
                   for k, c in enumerate(calls)]
     return {"role": "assistant", "content": content.strip() or None, "tool_calls": tool_calls}, True
+
+
+def tool_call_records(text: str, tools: list[dict] | None) -> list[dict]:
+    """One record per `<tool_call>` in a model turn's `text`, in the shape of an environment's
+    `info["tool_calls"]` (`rewards.envs.tools`: name, arguments, ok, error, invalid, timeout, latency_s, result):
+    `ok` when the call is well-formed JSON, names one of `tools` (the request's OpenAI tool specs) and its
+    arguments fit that tool's parameters; otherwise `error` says why. The gateway never runs a tool, so `result`
+    is None and a tool that fails when the harness runs it is not an error here."""
+    specs = {t["function"]["name"]: t for t in tools or []}
+    out = []
+    for call in parse_tool_calls(text):
+        why = call.get("error")
+        if why is None and call["name"] not in specs:
+            why = f"unknown tool {call['name']!r}"
+        if why is None:
+            try:
+                why = validate_arguments(specs[call["name"]], call["arguments"])
+            except (AttributeError, TypeError, KeyError):  # a schema the check cannot read: not the model's fault
+                why = None
+        out.append({"name": call.get("name"), "arguments": call.get("arguments"), "ok": why is None, "error": why,
+                    "invalid": why is not None, "timeout": False, "latency_s": 0.0, "result": None})
+    return out
 
 
 def same_assistant(sent: dict, returned: dict) -> bool:
