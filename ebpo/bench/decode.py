@@ -23,6 +23,20 @@ import time
 from pathlib import Path
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def resolve_dtype(name: str, device: str):
+    """The torch dtype of a bench's `--dtype`: fp32, bf16, fp16, or auto (bf16 on CUDA, fp32 elsewhere)."""
+    import torch
+
+    if name == "auto":
+        name = "bf16" if str(device).startswith("cuda") else "fp32"
+    if name not in DTYPES:
+        raise ValueError(f"--dtype: got {name!r}; allowed: auto, {', '.join(DTYPES)}")
+    return getattr(torch, DTYPES[name])
+
+
 def _run(model, prompts, config, seeds, batch: int) -> dict:
     """Decode `prompts` in consecutive batches of `batch` (1 = each prompt alone) and time the whole lot,
     so every row of the table decodes the same prompts and differs only in how they are batched."""
@@ -187,7 +201,8 @@ def main(argv: list[str]) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     spec = a.model or ("tiny-sft" if (TINY_SFT_DIR / "config.json").exists() else "preset:tiny")
-    model = load_model(spec, device=a.device).eval()
+    dtype = resolve_dtype(a.dtype, a.device)
+    model = load_model(spec, dtype=dtype, device=a.device).eval()
     V = model.config.vocab_size
     if a.prompts:
         prompts = prompt_ids_from_file(a.prompts, load_model_tokenizer(spec), a.batch)
@@ -247,6 +262,7 @@ def main(argv: list[str]) -> int:
                 ratios[preset][f"compiled_over_eager_batch{batch}"] = comp["tokens_per_s"] / eager["tokens_per_s"]
     result = {"machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "device": a.device,
                           "python": platform.python_version(), "torch": torch.__version__},
+              "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
               "model": spec, "new_tokens": a.new_tokens, "overrides": overrides, "load_avg": list(os.getloadavg()),
               "prompts": a.prompts or f"random, {a.prompt_len} tokens",
               "rows": rows, "ratios": ratios, "vs_released": released}
@@ -255,7 +271,8 @@ def main(argv: list[str]) -> int:
     from rich.table import Table
 
     source = f"prompts {Path(a.prompts).name}" if a.prompts else "random prompts"
-    t = Table(title=f"ebpo bench decode ({spec}, {source}, {a.new_tokens} new tokens, {a.device})")
+    t = Table(title=f"ebpo bench decode ({spec}, {source}, {a.new_tokens} new tokens, {a.device}, "
+                    f"{str(dtype).removeprefix('torch.')})")
     for col in ("preset", "batch", "cache", "tokens/s", "TPF", "forwards/seq", "edits/seq", "wall s"):
         t.add_column(col)
     for r in rows:
@@ -329,6 +346,8 @@ def _parser():
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="weights and activations: auto = bf16 on CUDA, fp32 elsewhere (default: %(default)s)")
     p.add_argument("--compiled", action="store_true",
                    help="also time compiled_step=true at batch 1 and batch B, cache on (compile time excluded, reported)")
     p.add_argument("--compiled-only", action="store_true", help="only the compiled rows (no eager rows or ratios)")
