@@ -406,8 +406,9 @@ def machine(dev: torch.device, dtype: torch.dtype, override_gbs: float | None) -
             "dtype": str(dtype).removeprefix("torch."), "bandwidth_gbs": gbs, "bandwidth_source": source}
 
 
-def _section(result: dict, name: str, skip: set, fn):
-    """result[name] = fn(), or the reason it did not run, or the error it raised (the run goes on)."""
+def _section(result: dict, name: str, skip: set, fn, path: str | None = None):
+    """result[name] = fn(), or the reason it did not run, or the error it raised (the run goes on); then the
+    result so far goes to `path` (a run stopped from outside keeps its finished sections)."""
     if name in skip:
         result[name] = {"skipped": "--skip"}
         return
@@ -416,6 +417,9 @@ def _section(result: dict, name: str, skip: set, fn):
     except Exception as e:  # an acceptance run reports what failed and goes on to the next section
         result[name] = {"error": f"{type(e).__name__}: {e}"}
         print(f"  {name}: ERROR {type(e).__name__}: {e}", flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump({**result, "partial": True}, f, indent=1)
 
 
 def run(a) -> dict:
@@ -427,33 +431,54 @@ def run(a) -> dict:
     budget = Budget(a.budget_s, time.perf_counter())
     result = {"machine": machine(dev, dtype, a.bandwidth_gbs),
               "settings": {k: v for k, v in vars(a).items() if k != "json"}}
-    gbs = result["machine"]["bandwidth_gbs"]
     skip = set(filter(None, a.skip.split(",")))
-    _section(result, "gpu_tests", skip, lambda: run_gpu_tests(a.tests, a.tests_timeout_s))
-    model = build_model(a.model, dtype, dev)
-    result["model"] = {"preset": a.model, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                       "parameters": sum(p.numel() for p in model.parameters())}
-    # cheap and certain first; the compiled rows (compile time) last, so that the budget skips them first
-    _section(result, "decode", skip, lambda: decode_section(model, a, budget, gbs, "eager"))
-    eager = result["decode"] if isinstance(result["decode"], list) else []
-    _section(result, "fp8", skip, lambda: fp8_section(model, a, budget, gbs, eager))
-    _section(result, "likelihood", skip, lambda: likelihood_section(model, a, budget))
-    if isinstance(result["decode"], list):
-        if a.no_compiled:
-            result["decode"] += [{"mode": "compiled", "batch": b, "skipped": "--no-compiled"} for b in a.batches]
-        else:
-            _section(result, "decode_compiled", skip,
-                     lambda: decode_section(model, a, budget, gbs, "compiled"))
-            compiled = result.pop("decode_compiled")
-            result["decode"] += compiled if isinstance(compiled, list) else [{"mode": "compiled", **compiled}]
+    _section(result, "gpu_tests", skip, lambda: run_gpu_tests(a.tests, a.tests_timeout_s), a.json)
+    try:
+        model = build_model(a.model, dtype, dev)
+    except Exception as e:  # e.g. out of memory: the model's sections say so
+        result["model"] = {"preset": a.model, "error": f"{type(e).__name__}: {e}"}
+        for name in ("decode", "fp8", "likelihood"):
+            result[name] = {"error": f"model not built: {type(e).__name__}: {e}"}
+    else:
+        result["model"] = {"preset": a.model, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                           "parameters": sum(p.numel() for p in model.parameters())}
+        _model_sections(model, a, budget, result, skip)
     result["tensor_parallel"] = tensor_parallel_section(dev)
     result["seconds"] = budget.used()
     return result
 
 
+def _model_sections(model, a, budget: Budget, result: dict, skip: set) -> None:
+    """decode (eager), fp8, likelihood, then the compiled decode rows: cheap and certain first, compile time
+    last, so that the budget skips the compiled rows first."""
+    gbs = result["machine"]["bandwidth_gbs"]
+    _section(result, "decode", skip, lambda: decode_section(model, a, budget, gbs, "eager"), a.json)
+    eager = result["decode"] if isinstance(result["decode"], list) else []
+    _section(result, "fp8", skip, lambda: fp8_section(model, a, budget, gbs, eager), a.json)
+    _section(result, "likelihood", skip, lambda: likelihood_section(model, a, budget), a.json)
+    if not isinstance(result["decode"], list):
+        return
+    if a.no_compiled:
+        result["decode"] += [{"mode": "compiled", "batch": b, "skipped": "--no-compiled"} for b in a.batches]
+        return
+    _section(result, "decode_compiled", skip, lambda: decode_section(model, a, budget, gbs, "compiled"), a.json)
+    compiled = result.pop("decode_compiled")
+    result["decode"] += compiled if isinstance(compiled, list) else [{"mode": "compiled", **compiled}]
+
+
+def _rows(section) -> list[dict]:
+    if isinstance(section, list):
+        return section
+    if isinstance(section, dict) and "gemm" in section:
+        return section["gemm"] + section["decode"]
+    return []
+
+
 def failed(result: dict) -> list[str]:
-    """The sections that raised, and the GPU tests if any failed or timed out."""
-    bad = [n for n in SECTIONS if isinstance(result.get(n), dict) and "error" in result[n]]
+    """The sections that raised or have a row that did (out of memory included), and the GPU tests if any
+    failed or timed out."""
+    bad = [n for n in SECTIONS if isinstance(result.get(n), dict) and "error" in result[n]
+           or any("error" in r for r in _rows(result.get(n)))]
     if result.get("gpu_tests", {}).get("status", "ok") != "ok":  # failed, timed out, no report
         bad.append("gpu_tests")
     return bad
@@ -467,9 +492,9 @@ def print_tables(result: dict) -> None:
     con = Console(width=max(Console().width, 160))
     m = result["machine"]
     mod = result["model"]
-    con.print(f"ebpo bench gpu: preset:{mod['preset']} ({mod['parameters'] / 1e9:.3g} B parameters, random weights, "
-              f"{mod['dtype']}) on {m['name']} ({m['device']}), torch {m['torch']}, HBM "
-              f"{m['bandwidth_gbs'] or 'unknown'} GB/s [{m['bandwidth_source']}], {result['seconds']:.0f} s")
+    about = mod.get("error") or f"{mod['parameters'] / 1e9:.3g} B parameters, random weights, {mod['dtype']}"
+    con.print(f"ebpo bench gpu: preset:{mod['preset']} ({about}) on {m['name']} ({m['device']}), torch {m['torch']}, "
+              f"HBM {m['bandwidth_gbs'] or 'unknown'} GB/s [{m['bandwidth_source']}], {result['seconds']:.0f} s")
 
     def table(title: str, rows, cols):
         t = Table(title=title)
@@ -498,7 +523,7 @@ def print_tables(result: dict) -> None:
         table(f"FP8 vs {base}: decode step (eager)", fp8["decode"],
               ["mode", "batch", "ms_per_forward", "base_ms_per_forward", "speedup_over_base", "hbm_floor_ms"])
     else:
-        table("FP8 vs bf16", fp8, ["skipped", "error"])
+        table("FP8 vs bf16", fp8, ["status"])
     table("likelihood forward + backward (learner)", result["likelihood"],
           ["rows", "row_len", "tokens", "forward_ms", "backward_ms", "tokens_per_s", "peak_gb"])
     table("tensor-parallel decode, 2 ranks", result["tensor_parallel"], ["status", "gpus", "reason"])

@@ -100,6 +100,19 @@ def test_a_failing_section_is_reported_and_the_run_goes_on(tmp_path, monkeypatch
     assert r["likelihood"] == {"error": "RuntimeError: likelihood broke"} and r["failed_sections"] == ["likelihood"]
     assert r["decode"] == {"skipped": "--skip"} and r["tensor_parallel"]["status"] == "skipped"
     assert "FAILED: likelihood" in capsys.readouterr().err
+    # a model that cannot be built (out of memory, say): its sections say so, the rest of the run goes on
+    monkeypatch.setattr(gpu, "build_model", lambda *args: broken())
+    assert gpu.main([*TINY, "--skip", "gpu_tests", "--json", str(out)]) == 1
+    r = json.loads(out.read_text())
+    assert r["failed_sections"] == ["decode", "fp8", "likelihood"]
+    assert r["fp8"] == {"error": "model not built: RuntimeError: likelihood broke"}
+    assert r["tensor_parallel"]["status"] == "skipped"
+
+
+def test_a_row_error_fails_its_section():
+    assert gpu.failed({"likelihood": [{"rows": 1}, {"rows": 4, "error": "out of memory"}]}) == ["likelihood"]
+    assert gpu.failed({"fp8": {"gemm": [], "decode": [{"mode": "eager fp8", "error": "x"}]}}) == ["fp8"]
+    assert gpu.failed({"decode": [{"mode": "eager", "skipped": "time budget"}], "gpu_tests": {"status": "ok"}}) == []
 
 
 def test_gpu_test_report_counts_and_names_failures(tmp_path):
