@@ -8,11 +8,17 @@ where the task gives it, e.g. 0.4 for a right number with extra whitespace in so
 The model's answer is taken from the completion the way reasoning-gym's prompts ask for it, else the way
 our models write it: the last `<answer>...</answer>`, else the last `\\boxed{...}`, else the whole completion,
 stripped. Needs the `envs` extra (`pip install -e '.[envs]'`).
+
+The verifier is third-party code fed policy text (several tasks `eval` the answer or give it to sympy's
+`parse_expr`): it runs in the verifier sandbox, never in this process, and only a float comes back. Tasks
+whose verifier has a known loophole are wrapped with the check it lacks (`LOOPHOLES`).
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 
+from rewards import verifier_sandbox
 from rewards.api import RewardResult, skip
 
 _OPEN, _CLOSE = "<answer>", "</answer>"
@@ -58,32 +64,52 @@ def row_metadata(metadata, key: str) -> dict | None:
     return None
 
 
-def reasoning_gym_score(*, completion: str, answer, metadata, prompt: str | None = None, **_) -> RewardResult:
-    """reasoning-gym's `score_answer` for the row's task, on the answer extracted from `completion`.
+def _puzzle24_numbers(pred: str, metadata: dict) -> str | None:
+    """puzzle24's verifier accepts any four in-range numbers that make 24 (`6*4*1*1` for the puzzle 8, 5, 10,
+    6): the answer's integers (found as the task finds them) must be the puzzle's numbers, each once."""
+    used = sorted(int(n) for n in re.findall(r"\b\d+\b", pred))
+    want = metadata.get("numbers")
+    if not isinstance(want, (list, tuple)):
+        return "the row's metadata has no puzzle numbers to check against"
+    return None if used == sorted(int(n) for n in want) else "the answer does not use the puzzle's numbers"
+
+
+# Task verifiers with a known loophole: task -> (the check it lacks, run here on the answer text before the
+# verifier, and the score the task gives a wrong answer). docs/rewards.md lists them.
+LOOPHOLES = {"puzzle24": (_puzzle24_numbers, 0.01)}
+
+
+def reasoning_gym_score(*, completion: str, answer, metadata, prompt: str | None = None, sandbox: str = "auto",
+                        timeout_s: float = 5.0, memory_mb: int = 1024, **_) -> RewardResult:
+    """reasoning-gym's `score_answer` for the row's task, on the answer extracted from `completion`, run in the
+    verifier sandbox (`rewards.verifier_sandbox`): the verifier is third-party code fed policy text.
 
     answer, metadata: the reasoning-gym entry's fields (the row's, or the RL loop's metadata holding them,
-    `row_metadata`); prompt: its question. Returns the task's
-    score in [0, 1]; skips (score None) when the row is not a reasoning-gym entry or reasoning-gym is not
-    installed; a verifier that raises scores 0.0 (extras["error"] names the exception). extras: `pred`."""
+    `row_metadata`); prompt: its question. sandbox: the verifier sandbox's mode (auto, namespaces, chroot,
+    none); timeout_s, memory_mb: the verifier's deadline and memory above the server's own. Returns the task's
+    score in [0, 1]; skips (score None) when the row is not a reasoning-gym entry, names no task reasoning-gym
+    has, or reasoning-gym is not installed; a verifier that raises, runs past its deadline or returns
+    something else scores 0.0 (extras["error"] says which). An answer a task with a known loophole would
+    wrongly accept (`LOOPHOLES`) scores that task's wrong-answer score, extras["loophole"] saying why.
+    extras: `pred`, `task`."""
     metadata = row_metadata(metadata, "source_dataset")
     if metadata is None:
         return skip("not a reasoning-gym row: metadata has no source_dataset")
-    try:
-        import reasoning_gym
-    except ImportError:
+    if importlib.util.find_spec("reasoning_gym") is None:
         return skip("reasoning-gym is not installed (pip install -e '.[envs]')")
     name = str(metadata["source_dataset"])
-    try:
-        score_fn = reasoning_gym.get_score_answer_fn(name)
-    except Exception as e:  # noqa: BLE001 - an unknown task is the row's problem, not the run's
-        return skip(f"reasoning-gym has no task {name!r}: {type(e).__name__}")
     pred = extract_answer(completion)
-    entry = {"question": prompt, "answer": answer, "metadata": metadata}
     extras = {"pred": pred[:200], "task": name}
-    try:
-        score = float(score_fn(pred, entry))
-    except Exception as e:  # noqa: BLE001 - a verifier that raises on this answer gives it no credit
-        return RewardResult(0.0, {**extras, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-    if not 0.0 <= score <= 1.0:  # NaN included
-        return RewardResult(0.0, {**extras, "error": f"score_answer returned {score!r}"})
-    return RewardResult(score, extras)
+    if name in LOOPHOLES:
+        check, wrong = LOOPHOLES[name]
+        why = check(pred, metadata)
+        if why is not None:
+            return RewardResult(wrong, {**extras, "loophole": why})
+    entry = {"question": prompt, "answer": answer, "metadata": metadata}
+    out = verifier_sandbox.score("rg", {"task": name, "answer": pred, "entry": entry}, gold=answer,
+                                 timeout_s=timeout_s, memory_mb=memory_mb, mode=sandbox)
+    if "skip" in out:
+        return skip(out["skip"])
+    if "error" in out:
+        return RewardResult(0.0, {**extras, "error": out["error"]})
+    return RewardResult(out["score"], extras)

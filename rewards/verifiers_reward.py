@@ -7,13 +7,16 @@ module name `verifiers.load_environment` takes (an installed environment package
 dataset (`vf:` data sources, `ebpo.infra.task_libraries`) carry the environment's own input in
 `metadata["verifiers"]`, and `verifiers_reward` scores a completion with the environment's rubric:
 `await env.rubric.score_rollout(state)` on the state the environment builds for that input, with the
-completion as the assistant message. Single-turn environments only on this path (a multi-turn one needs its
+completion as the assistant message, in the verifier sandbox (`rewards.verifier_sandbox`), never in this
+process. Single-turn environments only on this path (a multi-turn one needs its
 own rollout loop: the gateway, docs/rl.md "Task libraries"). Needs the `envs` extra.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 
+from rewards import verifier_sandbox
 from rewards.api import RewardResult, skip
 from rewards.loader import load_module_file
 from rewards.reasoning_gym_reward import row_metadata
@@ -54,25 +57,32 @@ async def score_with_rubric(env, env_input: dict, completion) -> tuple[float, di
     return float(state["reward"]), dict(state.get("metrics") or {})
 
 
-async def verifiers_reward(*, completion: str, metadata, **_) -> RewardResult:
+async def verifiers_reward(*, completion: str, metadata, sandbox: str = "auto", timeout_s: float = 10.0,
+                           memory_mb: int = 1024, **_) -> RewardResult:
     """The rubric's reward of `completion` for a row built from a verifiers environment (metadata["verifiers"]:
-    env, env_args, input; or one level down, as the RL loop passes it: `row_metadata`). Skips rows that are
-    not from one or when verifiers is missing; an environment or rubric that raises scores 0.0
-    (extras["error"]). extras: the rubric's metrics."""
+    env, env_args, input; or one level down, as the RL loop passes it: `row_metadata`), scored in the verifier
+    sandbox (`rewards.verifier_sandbox`: the environment is loaded there, and the rubric, third-party code
+    fed policy text, runs in a confined child with no network; a rubric that calls a model cannot score).
+    sandbox, timeout_s, memory_mb: the sandbox's mode, the rubric's deadline and its memory. Skips rows that
+    are not from one or when verifiers is missing; an environment or rubric that raises or runs past its
+    deadline scores 0.0 (extras["error"]). extras: the rubric's numeric metrics."""
     holder = row_metadata(metadata, "verifiers")
     vf_meta = holder["verifiers"] if holder is not None else None
     if not isinstance(vf_meta, dict) or "env" not in vf_meta or "input" not in vf_meta:
         return skip("not a verifiers row: metadata has no verifiers.env / verifiers.input")
-    try:
-        import verifiers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("verifiers") is None:
         return skip("verifiers is not installed (pip install -e '.[envs]', Python 3.11-3.13)")
-    try:
-        env = load_vf_environment(vf_meta["env"], vf_meta.get("env_args"))
-        reward, metrics = await score_with_rubric(env, vf_meta["input"], completion or "")
-    except Exception as e:  # noqa: BLE001 - the environment's failure costs this sample, not the run
-        return RewardResult(0.0, {"error": f"{type(e).__name__}: {str(e)[:200]}"})
-    return RewardResult(reward, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+    env_input = vf_meta["input"] if isinstance(vf_meta["input"], dict) else {}
+    gold = env_input.get("answer")
+    out = verifier_sandbox.score("vf", {"input": env_input, "answer": completion or ""},
+                                 gold=str(gold) if gold is not None else "", timeout_s=timeout_s,
+                                 memory_mb=memory_mb, mode=sandbox,
+                                 vf_env=(vf_meta["env"], vf_meta.get("env_args") or {}))
+    if "skip" in out:
+        return skip(out["skip"])
+    if "error" in out:
+        return RewardResult(0.0, {"error": out["error"]})
+    return RewardResult(out["score"], out["metrics"])
 
 
 async def verifiers_agent(client, row: dict, *, model: str | None = None, sampling_args: dict | None = None) -> dict:
