@@ -1,6 +1,6 @@
 """`ebpo bench gpu`: the GPU acceptance run, the first thing to run when a GPU is lent.
 
-    ebpo bench gpu --json gpu.json                  # CUDA: preset:mini in bf16, about 5-7 minutes
+    ebpo bench gpu --json gpu.json                  # CUDA: preset:mini in bf16, budgeted to 7 minutes
     ebpo bench gpu --device cpu --json cpu.json     # CPU: preset:tiny, tiny sizes (CI keeps it runnable)
 
 One command, one table per section, one JSON file. Sections (JSON keys):

@@ -142,7 +142,8 @@ def format_plan(p: dict) -> str:
              f"{' (block routing)' if p['model'].get('block_routing_capacity') else ''}, <= "
              f"{rol['experts_per_forward']} per MoE layer over {rol['sequences']} active blocks, "
              f"{rol['expert_bytes_per_forward'] / GB:.2f} GB of expert weights read (one block alone: "
-             f"{rol['expert_bytes_per_block'] / GB:.2f} GB)"]
+             f"{rol['expert_bytes_per_block'] / GB:.2f} GB)"
+             + (f", over the worker's {rol['ranks']} ranks" if rol["ranks"] > 1 else "")]
     if rol["ranks"] > p["cluster"]["gpus_per_node"]:
         lines.append(f"\nnote: a rollout worker's {rol['ranks']} ranks span more than one node of "
                      f"{p['cluster']['gpus_per_node']} GPUs (its collectives cross the network)")

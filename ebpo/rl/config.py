@@ -65,7 +65,8 @@ class RolloutConfig:
                                "head (1 = off). The model's attention heads must be divisible by it, and its KV heads "
                                "divisible by it or dividing it (then each rank keeps the one KV head its query heads "
                                "read). A worker spans max(tensor_parallel, expert_parallel) ranks; `ebpo plan` gives "
-                               "the memory per rank (docs/rl.md, Memory plan)", 1)
+                               "the memory per rank (docs/decoding.md, Parallel rollout workers). Planned and checked "
+                               "only, for now: the rollout worker does not read it yet", 1)
     expert_parallel: int = doc("ranks that split a rollout worker's routed experts, tokens dispatched to and combined "
                                "from them by all-to-all (1 = off). The model's num_experts must be divisible by it, "
                                "and it must divide tensor_parallel or be a multiple of it", 1)
