@@ -41,6 +41,20 @@ def model_config(spec: str):
                       "model=preset:flash) to plan without the weights")
 
 
+def check_rollout_layout(rc, config) -> None:
+    """`rollout.tensor_parallel` / `rollout.expert_parallel` against the model: heads, KV heads and experts with
+    the allowed values (`RolloutConfig.check_parallel`), then everything the parallel model splits
+    (`ebpo.model.parallel.layout.check_layout`: vocabulary and MLP widths, FP8 128-wide blocks); ConfigError."""
+    from ebpo.model.parallel.layout import ParallelLayout, check_layout
+
+    rc.check_parallel(config.num_attention_heads, config.num_key_value_heads, config.num_experts or 0)
+    try:
+        check_layout(config, ParallelLayout(tp_size=rc.tensor_parallel, ep_size=rc.expert_parallel, fp8=rc.fp8))
+    except ValueError as err:
+        raise ConfigError(f"rollout.tensor_parallel = {rc.tensor_parallel}, rollout.expert_parallel = "
+                          f"{rc.expert_parallel}, rollout.fp8 = {str(rc.fp8).lower()}: {err}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ebpo plan", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -87,7 +101,7 @@ def plan(cfg, gpus_per_node: int, gpu_mem_gb: float, nodes: int) -> dict:
                          mask_fraction=mask_fraction, checkpointing=lc.gradient_checkpointing)
     learner = learner_memory(config, shape, profile)
     rc = cfg.rollout
-    rc.check_parallel(config.num_attention_heads, config.num_key_value_heads, config.num_experts or 0)
+    check_rollout_layout(rc, config)
     roll_seqs = math.ceil(batch / max(1, rc.num_workers))
     rollout = rollout_memory(config, rc.fp8, roll_seqs, seq, K, rc.tensor_parallel, rc.expert_parallel,
                              seq - max_new)
@@ -130,8 +144,8 @@ def format_plan(p: dict) -> str:
              "",
              f"rollout worker (x{rol['workers']}): {rol['sequences']} sequences of {rol['seq_len']} tokens"
              + (f"; {rol['ranks']} ranks (tensor_parallel {rol['tensor_parallel']}, expert_parallel "
-                f"{rol['expert_parallel']}), per rank: {rol['sequences_per_rank']} sequences' KV cache, "
-                f"{rol['kv_heads_per_rank']} KV head(s)" if rol["ranks"] > 1 else ""),
+                f"{rol['expert_parallel']}), {rol['kv_heads_per_rank']} KV head(s) per rank"
+                if rol["ranks"] > 1 else ""),
              f"  {'weights':<22}{rol['weights'] / GB:>9.1f} GB",
              f"  {'KV cache':<22}{rol['kv_cache'] / GB:>9.1f} GB",
              f"  {'block logits':<22}{rol['logits'] / GB:>9.1f} GB",

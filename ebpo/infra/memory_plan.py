@@ -333,8 +333,9 @@ def parameter_groups(config: LLaDA2MoeConfig) -> dict[str, int]:
 
 
 def parallel_ranks(tensor_parallel: int, expert_parallel: int) -> int:
-    """Ranks of one rollout worker: max(tp, ep) (one divides the other, `RolloutConfig.validate`). With ep > tp
-    the worker runs ep / tp attention groups side by side, each on its own share of the sequences."""
+    """Ranks of one rollout worker: max(tp, ep) (one divides the other, `RolloutConfig.validate`), grouped as
+    `ebpo.model.parallel.layout.make_groups` does: consecutive ranks per tp group and per ep group, every rank
+    running the worker's whole batch (activations are replicated over the groups)."""
     return max(tensor_parallel, expert_parallel)
 
 
@@ -351,13 +352,14 @@ def rollout_memory(config: LLaDA2MoeConfig, fp8: bool, sequences: int, seq_len: 
     "experts_per_forward" (per MoE layer) and "expert_bytes_per_forward" (weights read by the whole worker, all
     MoE layers; part of "weights", not added to the total).
 
-    Layout (`parameter_groups`): attention heads, dense MLP, shared experts and the vocabulary rows of the
-    embeddings and LM head over tp ranks (KV heads over min(tp, KV heads) ranks, replicated beyond), routed
-    experts over ep ranks. An attention group (tp ranks) holds the KV cache and logits of its share of the
-    worker's `sequences`. All-to-all: the largest forward is the one that admits every sequence at once
-    (its prompt blocks and first block: `prompt_len` // K + 1 blocks per row); each rank dispatches its 1/tp
-    of its group's tokens, top-k copies of the hidden state each (bf16), and receives at most every EP
-    rank's tokens routed to its own experts (min(k, E / ep) copies of each): a send and a receive buffer
+    Layout (`parameter_groups`, as `ebpo.model.parallel` splits the model): attention heads, dense MLP, shared
+    experts and the vocabulary rows of the embeddings and LM head over tp ranks (KV heads over min(tp, KV
+    heads) ranks, replicated beyond), routed experts over ep ranks. Every rank runs all of the worker's
+    `sequences` (activations replicated), so it holds their KV cache for its KV heads and their logits for its
+    vocabulary rows. All-to-all: the largest forward is the one that admits every sequence at once (its
+    prompt blocks and first block: `prompt_len` // K + 1 blocks per row, T tokens); each rank dispatches its
+    1/ep slice of the T tokens, top-k copies of the hidden state each (bf16), and receives at most every EP
+    rank's slice routed to its own experts (min(k, E / ep) copies of each row): a send and a receive buffer
     for the dispatch and the same for the combine.
     """
     tp, ep = tensor_parallel, expert_parallel
@@ -367,20 +369,19 @@ def rollout_memory(config: LLaDA2MoeConfig, fp8: bool, sequences: int, seq_len: 
     kv_split = min(tp, config.num_key_value_heads)
     weights = (g["routed"] / ep * q_b + (g["q"] + g["mlp"]) / tp * q_b + g["kv"] / kv_split * q_b
                + g["vocab"] / tp * 2 + g["replicated"] * 2)
-    group_seqs = -(-sequences // (W // tp))  # sequences of one attention group
     kv_heads = config.num_key_value_heads // kv_split
-    kv = 2 * config.num_hidden_layers * kv_heads * config.head_dim * 2 * group_seqs * seq_len
-    logits = group_seqs * block_size * (-(-config.vocab_size // tp)) * 4
+    kv = 2 * config.num_hidden_layers * kv_heads * config.head_dim * 2 * sequences * seq_len
+    logits = sequences * block_size * (-(-config.vocab_size // tp)) * 4
     all_to_all = 0.0
     E, k = config.num_experts, config.num_experts_per_tok
     if ep > 1 and E:
-        tokens = group_seqs * (prompt_len // block_size + 1) * block_size
-        sent = -(-tokens // tp) * k
-        received = ep * -(-tokens // tp) * min(k, E // ep)
+        tokens = sequences * (prompt_len // block_size + 1) * block_size
+        sent = -(-tokens // ep) * k
+        received = ep * -(-tokens // ep) * min(k, E // ep)
         all_to_all = 2 * (sent + received) * config.hidden_size * 2
     ws = expert_working_set(config, sequences, block_size, FP8_BYTES if fp8 else 2)
     return {"weights": weights, "kv_cache": kv, "logits": logits, "all_to_all": all_to_all,
             "total": weights + kv + logits + all_to_all, "ranks": W, "tensor_parallel": tp, "expert_parallel": ep,
-            "sequences_per_rank": group_seqs, "kv_heads_per_rank": kv_heads,
+            "kv_heads_per_rank": kv_heads,
             "experts_per_block": ws["experts_per_block"], "experts_per_forward": ws["experts_per_layer"],
             "expert_bytes_per_forward": ws["bytes"], "expert_bytes_per_block": ws["bytes_per_block"]}

@@ -146,9 +146,9 @@ def test_parallel_ranks_hold_the_policy_once_plus_the_replicated_parts(tp, ep):
     copies = 2 * (g["routed"] * (W // ep - 1) + (g["q"] + g["kv"] + g["mlp"] + g["vocab"]) * (W // tp - 1)
                   + g["replicated"] * (W - 1))
     assert W * r["weights"] == pytest.approx(whole + copies, rel=1e-12)
-    # the KV cache: each attention group of tp ranks holds its 1/(W/tp) of the sequences, 4/tp KV heads each
+    # the KV cache: every rank runs all 32 sequences (activations replicated) and holds 4 / tp KV heads
     one = rollout_memory(c, False, 32, 3072, 32)["kv_cache"]
-    assert r["kv_cache"] == pytest.approx(one / tp / (W // tp))
+    assert r["kv_cache"] == pytest.approx(one / tp)
 
 
 def test_kv_heads_are_replicated_when_ranks_outnumber_them():
@@ -161,16 +161,21 @@ def test_kv_heads_are_replicated_when_ranks_outnumber_them():
 
 
 def test_all_to_all_buffers_follow_the_largest_forward():
-    """Dispatch + combine, each a send buffer (a rank's tokens x top-k) and a worst-case receive buffer (every
-    EP rank's tokens, min(k, E / ep) copies each), bf16 hidden states; the largest forward admits every
-    sequence with its prompt blocks."""
+    """Dispatch + combine, each a send buffer (a rank's 1/ep slice of the tokens x top-k) and a worst-case
+    receive buffer (every EP rank's slice, min(k, E / ep) copies each), bf16 hidden states; the largest
+    forward admits every sequence with its prompt blocks."""
     from ebpo.infra.memory_plan import rollout_memory
 
     c = load_preset("flash")
-    r = rollout_memory(c, True, 32, 3072, 32, 4, 4, 1024)
-    tokens_per_rank = 32 * (1024 // 32 + 1) * 32 // 4
     k = c.num_experts_per_tok
-    assert r["all_to_all"] == 2 * (tokens_per_rank * k + 4 * tokens_per_rank * k) * c.hidden_size * 2
+    for tp, ep in ((4, 4), (2, 4), (1, 8)):
+        r = rollout_memory(c, True, 32, 3072, 32, tp, ep, 1024)
+        tokens_per_rank = 32 * (1024 // 32 + 1) * 32 // ep
+        assert r["all_to_all"] == 2 * (tokens_per_rank * k + ep * tokens_per_rank * k) * c.hidden_size * 2
+    # 64 experts over 32 ranks: a rank holds 2 experts, so a token sends it at most 2 copies
+    r = rollout_memory(load_preset("flash", num_experts=64), True, 32, 3072, 32, 1, 32, 1024)
+    tokens_per_rank = 32 * 33 * 32 // 32
+    assert r["all_to_all"] == 2 * (tokens_per_rank * k + 32 * tokens_per_rank * 2) * c.hidden_size * 2
     assert rollout_memory(c, True, 32, 3072, 32, 4, 1, 1024)["all_to_all"] == 0  # no expert parallelism
 
 
@@ -179,7 +184,7 @@ def test_flash_80gb_recipe_fits_four_nodes_of_80gb(capsys):
 
     assert main(["plan", FLASH_80GB, "model=preset:flash", "--nodes", "4", "--gpu-mem-gb", "80"]) == 0
     out = capsys.readouterr().out
-    assert "DOES NOT FIT" not in out and "4 ranks (tensor_parallel 4, expert_parallel 4)" in out
+    assert "DOES NOT FIT" not in out and "4 ranks (tensor_parallel 4, expert_parallel 4), 1 KV head(s)" in out
     assert "all-to-all buffers" in out
     # the single-GPU flash recipe does not fit the same cluster: its rollout worker holds the whole policy
     assert main(["plan", "recipes/rl_math_llada21_flash.yaml", "model=preset:flash", "--nodes", "4"]) == 1
@@ -218,6 +223,20 @@ def test_plan_refuses_a_layout_the_model_cannot_take(overrides, message, capsys)
 
     assert main(["plan", FLASH_80GB, "model=preset:flash", "--nodes", "4", *overrides]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_refuses_fp8_slices_off_the_128_wide_blocks(capsys):
+    """The parallel model's own checks run too: mini's shared expert (512 units) over 8 tensor-parallel ranks
+    is 64 units per rank, not a whole FP8 block; in bf16 the same layout is fine."""
+    from ebpo.cli import main
+
+    base = ["plan", FLASH_80GB, "model=preset:mini", "rollout.tensor_parallel=8", "rollout.expert_parallel=8"]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "rollout.tensor_parallel = 8, rollout.expert_parallel = 8, rollout.fp8 = true" in err
+    assert "moe_intermediate_size" in err and "128" in err
+    assert main([*base, "rollout.fp8=false"]) in (0, 1)
+    assert "rollout worker" in capsys.readouterr().out
 
 
 def test_parallel_check_against_heads_kv_heads_and_experts():
