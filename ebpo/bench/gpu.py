@@ -539,7 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="\n".join(__doc__.splitlines()[1:]))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda[:N] or cpu (default: cuda when there is one)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="weights and activations: auto = bf16 on CUDA, fp32 on CPU (default: %(default)s)")
     p.add_argument("--model", default=None, help="random-weight preset (default: mini on CUDA, tiny on CPU)")
     p.add_argument("--batches", default=None, help="decode batch sizes (default 1,32,128 on CUDA; 1,4 on CPU)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per sequence (default 64; CPU 16)")
