@@ -14,7 +14,7 @@ import torch
 
 from .block_apply import StepEvent
 from .config import DecodeConfig
-from .engine import Engine
+from .engine_holder import EngineHolder
 from .steps import first_eos
 
 
@@ -113,7 +113,7 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
              generators: list[torch.Generator] | None = None, progress: bool = False,
              on_step: Callable[[StepEvent], None] | None = None,
              attention_mask: torch.Tensor | None = None, max_batch: int | None = None,
-             max_new_tokens: list[int] | None = None) -> list[GenerationOutput]:
+             max_new_tokens: list[int] | None = None, engines=None) -> list[GenerationOutput]:
     """Decode every prompt with draft-and-edit decoding; returns one `GenerationOutput` per prompt, in order.
 
     model: an `LLaDA2MoeModelLM` (any module with the same forward signature and `config`).
@@ -129,6 +129,7 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
     max_batch: most sequences decoding at once (default `config.max_batch`; 0 there = all prompts at once).
     max_new_tokens: one length per prompt instead of `config.max_new_tokens` for all (a server's per-request
         budget; the RL-like workload of `ebpo bench decode --rl-workload`).
+    engines: an `EngineHolder` whose long-lived engine decodes the call (a rollout worker's); default a fresh one.
     """
     cfg = config or DecodeConfig.preset("quality")
     mcfg = model.config
@@ -149,11 +150,12 @@ def generate(model, prompts, config: DecodeConfig | None = None, *, tokenizer=No
         from .compiled import canvas_length
 
         T = max(canvas_length([len(p)], m, K) for p, m in zip(ids, lengths))
-    engine = Engine(model, cfg, max_batch=min(limit or len(ids), len(ids)), canvas_len=T, on_step=on_step,
-                    progress=progress)
-    for i, p in enumerate(ids):
-        engine.submit(p, None if gens is None else gens[i], max_new_tokens=lengths[i])
-    seqs = engine.run()
+    engine = (engines or EngineHolder(model)).get(cfg, canvas_len=T, max_batch=min(limit or len(ids), len(ids)),
+                                                  on_step=on_step, progress=progress)
+    seqs = [engine.submit(p, None if gens is None else gens[i], max_new_tokens=lengths[i], config=cfg)
+            for i, p in enumerate(ids)]
+    engine.run()
+    engine.forget_finished()
     return [_output(s, engine.eos_ids, tokenizer, K) for s in seqs]
 
 

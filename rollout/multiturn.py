@@ -29,18 +29,24 @@ This module knows environments only by duck typing (`reset`, `step`), so rollout
 """
 from __future__ import annotations
 
+import concurrent.futures
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
 from ebpo.core.fields import doc
-from ebpo.core.turns import OBSERVATION_TEMPLATE, round_up
+from ebpo.core.turns import OBSERVATION_TEMPLATE, TOOL_CALL_CLOSE, round_up
 
 from .config import DecodeConfig
 from .decoder import _make_generators
 from .engine import Engine
-from .trajectory import Trajectory
+from .engine_holder import EngineHolder
+from .env_steps import StepRunner, unpack_step
+from .sequence import FINISHED, WAITING
+from .steps import first_eos
+from .trajectory import Trajectory, TurnRecord
 
 
 @dataclass
@@ -66,13 +72,14 @@ class MultiTurnConfig:
 @torch.no_grad()
 def generate_multiturn(model, prompts: list[list[int]], envs: list, config: DecodeConfig | None = None,
                        mt: MultiTurnConfig | None = None, *, tokenizer, seeds: list[int] | None = None,
-                       on_turn=None, max_batch: int | None = None) -> list[Trajectory]:
+                       on_turn=None, max_batch: int | None = None, engines=None) -> list[Trajectory]:
     """Multi-turn rollouts of `prompts` (token-id lists) against `envs` (one environment per prompt, already
     `reset`); returns one `Trajectory` per prompt. `on_turn(seq, TurnRecord)` is called after every step.
 
     config: the decoding options; its max_new_tokens is unused (`mt.max_turn_tokens` bounds a turn).
     seeds: one per prompt (temperature > 0). max_batch: most trajectories decoding at once (default
-    `config.max_batch`; 0 = all); a finished trajectory's slot takes the next prompt.
+    `config.max_batch`; 0 = all); a finished trajectory's slot takes the next prompt. engines: an `EngineHolder`
+    whose long-lived engine decodes the call (a rollout worker's); default a fresh one.
     """
     cfg = config or DecodeConfig.preset("quality")
     mt = mt or MultiTurnConfig()
@@ -84,11 +91,194 @@ def generate_multiturn(model, prompts: list[list[int]], envs: list, config: Deco
     gens = _make_generators(len(prompts), seeds, None, cfg.temperature, dev)
     T = round_up(max(mt.max_total_tokens, max(len(p) for p in prompts) + K), K)
     limit = max_batch if max_batch is not None else cfg.max_batch
-    engine = Engine(model, cfg, max_batch=min(limit or len(prompts), len(prompts)), canvas_len=T,
-                    tokenizer=tokenizer, mt=mt, on_turn=on_turn)
-    for i, (p, env) in enumerate(zip(prompts, envs)):
-        engine.submit(p, None if gens is None else gens[i], env=env)
-    return [trajectory_of(s, engine.t0, K) for s in engine.run()]
+    engine = (engines or EngineHolder(model)).get(cfg, canvas_len=T, max_batch=min(limit or len(prompts), len(prompts)))
+    driver = TurnDriver(tokenizer=tokenizer, mt=mt, engine=engine, on_turn=on_turn)
+    t0 = time.monotonic()
+    seqs = [driver.submit(p, None if gens is None else gens[i], env=env) for i, (p, env) in enumerate(zip(prompts, envs))]
+    driver.run()
+    engine.forget_finished()
+    return [trajectory_of(s, t0, K) for s in seqs]
+
+
+class TurnRule:
+    """When a multi-turn sequence's turn is over (called by the engine with the turn's tokens when a block ends):
+    ("eos", text) once the turn holds EOS (the text stops before it), ("tool_call", text) once it holds a closed
+    `</tool_call>` (with `stop_at_tool_call`), else (None, text). The engine adds the budget rule itself."""
+
+    def __init__(self, tokenizer, eos_ids: set[int], stop_at_tool_call: bool):
+        self.tokenizer, self.eos_ids, self.stop_at_tool_call = tokenizer, eos_ids, stop_at_tool_call
+
+    def __call__(self, tokens: list[int]) -> tuple[str | None, str]:
+        cut = first_eos(tokens, self.eos_ids)
+        text = self.tokenizer.decode(tokens if cut is None else tokens[:cut], skip_special_tokens=True)
+        if cut is not None:
+            return "eos", text
+        if self.stop_at_tool_call and TOOL_CALL_CLOSE in text:
+            return "tool_call", text
+        return None, text
+
+
+class TurnDriver:
+    """The multi-turn client of one rollout engine: it submits each trajectory's sequence with a `TurnRule`,
+    sends every finished turn's text to its environment's `env.step` (in a `StepRunner` thread), and when the
+    step returns appends the observation with `Engine.extend` or ends the trajectory (`Engine.end`) by the limits
+    of `MultiTurnConfig`. The engine itself never sees an environment or a tokenizer.
+
+    Either give an `engine`, or the arguments of one (model, cfg, max_batch, canvas_len, version, progress);
+    tokenizer: encodes observations and decodes turns; env_runner: the `StepRunner` (default one of
+    `mt.max_workers` threads); on_turn(seq id, TurnRecord) after every environment step.
+    """
+
+    def __init__(self, model=None, cfg=None, *, tokenizer, mt: MultiTurnConfig, engine: Engine | None = None,
+                 env_runner: StepRunner | None = None, on_turn=None, **engine_kw):
+        self.engine = engine if engine is not None else Engine(model, cfg, **engine_kw)
+        self.tokenizer, self.mt, self.on_turn = tokenizer, mt, on_turn
+        self.rule = TurnRule(tokenizer, self.engine.eos_ids, mt.stop_at_tool_call)
+        self.env_runner = env_runner or StepRunner(mt.max_workers)
+        self.waiting: list = []  # sequences whose turn's env.step is pending
+
+    @property
+    def sequences(self) -> list:
+        return self.engine.sequences
+
+    def budget(self) -> int:
+        return min(self.engine.T, self.mt.max_total_tokens)
+
+    def turn_end_block(self, start: int) -> int:
+        """The block (exclusive) where a turn starting at `start` must end: its token budget, the trajectory's,
+        the canvas."""
+        K = self.engine.K
+        return min(round_up(start + self.mt.max_turn_tokens, K), round_up(self.budget(), K), self.engine.T) // K
+
+    def submit(self, prompt: list[int], generator=None, env=None):
+        """Start one trajectory (its environment already reset); returns its engine `Sequence`."""
+        e, P = self.engine, len(prompt)
+        room = self.turn_end_block(P) * e.K - P
+        s = e.submit(prompt, generator, env=env, max_new_tokens=max(room, 1), turn_rule=self.rule)
+        s.generated, s.segment = [False] * e.T, [0] * P + [-1] * (e.T - P)
+        if P >= self.budget():
+            e.end(s, "max_total_tokens")
+        return s
+
+    def adopt(self, s):
+        """Continue a trajectory exported by another engine (partial rollouts)."""
+        s.turn_rule = self.rule
+        self.engine.adopt(s)
+        if s.status == WAITING:
+            self.waiting.append(s)
+        return s
+
+    def run(self) -> list:
+        """Step until every trajectory is finished; returns their sequences in submission order."""
+        while self.step():
+            pass
+        if self.engine.progress:
+            print(file=sys.stderr)
+        return self.engine.sequences
+
+    def run_until(self, done) -> None:
+        while not done() and self.step():
+            pass
+
+    def step(self) -> bool:
+        """Poll the pending environment steps, run one engine step (none while a trajectory waits, with
+        `continue_ready=False`), hand finished turns to their environments. False when nothing is left."""
+        self._poll()
+        moved = False
+        if self.mt.continue_ready or not self.waiting:
+            moved = self.engine.step()
+        self._send_turns()
+        if moved:
+            return True
+        if self.waiting:
+            concurrent.futures.wait([s.future for s in self.waiting], timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            return True
+        return False
+
+    def drain(self) -> None:
+        """`Engine.drain`, then the turns that ended while draining go to their environments (a sequence is
+        exported waiting on its step, never with an unsent turn)."""
+        self.engine.drain()
+        self._send_turns()
+
+    def _send_turns(self) -> None:
+        while self.engine.paused:
+            self._send_turn(self.engine.paused.popleft())
+
+    def _send_turn(self, s) -> None:
+        finished_by, text = s.pause
+        tag = 2 * len(s.turns) + 1
+        for i in range(s.start, s.length):
+            s.generated[i], s.segment[i] = True, tag
+        s.turns.append(TurnRecord(index=len(s.turns), start=s.start, end=s.length, text=text, finished_by=finished_by,
+                                  forwards=s.turn_forwards))
+        s.turn_forwards = 0
+        s.submitted = time.monotonic()
+        s.future = self.env_runner.submit(s.env, text)
+        self.waiting.append(s)
+
+    def _poll(self) -> None:
+        for s in list(self.waiting):
+            if s.status == FINISHED:  # ended by its client meanwhile
+                self.waiting.remove(s)
+            else:
+                self._rejoin(s)
+
+    def _rejoin(self, s) -> None:
+        """Take the step's result (done or timed out): end the trajectory, or append the observation."""
+        fut, turn = s.future, s.turns[-1]
+        if not fut.done():
+            if time.monotonic() - s.submitted < self.mt.step_timeout_s:
+                return
+            turn.error = f"env.step timed out after {self.mt.step_timeout_s:g} s"
+            turn.env_latency_s = time.monotonic() - s.submitted
+            return self._end(s, "env_timeout", True, turn.error)
+        try:
+            value, latency = fut.result()
+            obs, reward, done, info = unpack_step(value)
+        except Exception as e:  # the environment's failure ends this trajectory only
+            turn.error = f"{type(e).__name__}: {str(e)[:200]}"
+            turn.env_latency_s = time.monotonic() - s.submitted
+            return self._end(s, "env_error", True, turn.error)
+        self.waiting.remove(s)
+        s.future = None
+        turn.reward, turn.done, turn.info, turn.env_latency_s = reward, done, info, latency
+        turn.tool_calls = list(info.get("tool_calls") or [])
+        turn.wait_s = time.monotonic() - s.submitted
+        if self.on_turn is not None:
+            self.on_turn(s.id, turn)
+        if done:
+            return self.engine.end(s, "done")
+        if len(s.turns) >= self.mt.max_turns:
+            return self.engine.end(s, "max_turns")
+        self._append_observation(s, turn, obs, info)
+
+    def _end(self, s, stop: str, failed: bool, error: str | None) -> None:
+        self.waiting.remove(s)
+        s.future = None
+        self.engine.end(s, stop, failed, error)
+
+    def _encode(self, obs: str | None) -> list[int]:
+        text = self.mt.observation_template.format(observation=obs or "")
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _append_observation(self, s, turn: TurnRecord, obs: str | None, info: dict) -> None:
+        given = info.pop("observation_ids", None)  # an environment that owns tokenisation (the agent gateway)
+        obs_ids = [int(t) for t in given] if given is not None else self._encode(obs)
+        lo, budget = s.length, self.budget()
+        if lo + len(obs_ids) + 1 > budget:
+            if lo + len(self._encode("")) + 1 > budget:  # the turns spent the budget: no observation could fit
+                return self.engine.end(s, "max_total_tokens")
+            # the observation's own length ends the trajectory: a named stop, not a silent end of the budget
+            turn.observation = obs
+            why = f"observation of {len(obs_ids)} tokens does not fit: {lo} tokens so far, max_total_tokens {budget}"
+            return self.engine.end(s, "observation_overflow", error=why)
+        turn.observation, turn.obs_start, turn.obs_end = obs, lo, lo + len(obs_ids)
+        for i in range(lo, lo + len(obs_ids)):
+            s.segment[i] = 2 * len(s.turns)
+        start = lo + len(obs_ids)
+        self.engine.extend(s, obs_ids, self.turn_end_block(start) * self.engine.K - start)
 
 
 def trajectory_of(s, t0: float, K: int) -> Trajectory:
@@ -117,7 +307,7 @@ def start_episodes(envs: list, rows: list[dict], prompts: list[list[int]], token
 
 def run_episodes(model, prompts: list[list[int]], rows: list[dict], env_factory, config: DecodeConfig | None = None,
                  mt: MultiTurnConfig | None = None, *, tokenizer, seeds: list[int] | None = None,
-                 max_batch: int | None = None) -> list[Trajectory]:
+                 max_batch: int | None = None, engines=None) -> list[Trajectory]:
     """One batch of episodes: a fresh environment per prompt from `env_factory()`, reset with its row and seed
     (`start_episodes`), decoded (`generate_multiturn`), then closed (a failing `close` is ignored: it must
     not lose the batch). prompts: token-id lists, one per row; seeds: one per prompt (also the sampling
@@ -127,7 +317,7 @@ def run_episodes(model, prompts: list[list[int]], rows: list[dict], env_factory,
     try:
         starts = start_episodes(envs, rows, prompts, tokenizer, seeds, mt.observation_template)
         return generate_multiturn(model, starts, envs, config, mt, tokenizer=tokenizer, seeds=seeds,
-                                  max_batch=max_batch)
+                                  max_batch=max_batch, engines=engines)
     finally:
         for env in envs:
             close = getattr(env, "close", None)

@@ -22,7 +22,8 @@ import torch
 
 from ebpo.core.turns import round_up
 
-from .engine import Engine
+from .engine_holder import EngineHolder
+from .multiturn import TurnDriver
 from .sequence import FINISHED, QUEUED, Sequence
 
 
@@ -64,7 +65,7 @@ class PartialRollouts:
 
     def collect(self, model, cfg, new: list[NewSequence], quota: int, version: int, *, max_batch: int,
                 min_version: int | None = None, due_version: int | None = None, tokenizer=None, mt=None,
-                runner=None) -> tuple[list, CollectStats]:
+                runner=None, engines=None) -> tuple[list, CollectStats]:
         """Decode until `quota` groups are complete, and every overdue group too; returns (their sequences, the
         first `quota` groups to complete in completion order, then the overdue ones beyond them; a group's members
         in the order they finished; `CollectStats`).
@@ -72,7 +73,8 @@ class PartialRollouts:
         cfg: the `DecodeConfig`; version: the weights' version (recorded per block); max_batch: slots (0: all
         sequences at once); min_version: drop carried sequences whose oldest block is older; due_version: a group
         holding a sequence whose oldest block is older is overdue (None: none is); mt / tokenizer / runner:
-        multi-turn (`rollout.multiturn`).
+        multi-turn (`rollout.multiturn`); engines: an `EngineHolder` whose long-lived engine decodes the call (a
+        rollout worker's; the carried sequences wait between calls exported at their block boundaries).
         """
         stats = CollectStats()
         self.dropped_tags = set()
@@ -82,22 +84,27 @@ class PartialRollouts:
         for s in new:
             self.group_sizes[s.tag] = self.group_sizes.get(s.tag, 0) + 1
         slots = max_batch if max_batch > 0 else max(1, len(self.carried) + len(new))  # 0: everything at once
-        engine = Engine(model, cfg, max_batch=slots, canvas_len=self._canvas_len(cfg, mt, new, K),
-                        tokenizer=tokenizer, mt=mt, version=version, runner=runner)
+        engine = (engines or EngineHolder(model)).get(cfg, canvas_len=self._canvas_len(cfg, mt, new, K), max_batch=slots)
+        if engine.version != version:
+            engine.set_version(version)  # nothing is decoding: the previous call exported every sequence
+        # multi-turn sequences go through their client, the turn driver (environments, observations)
+        client = engine if mt is None else TurnDriver(tokenizer=tokenizer, mt=mt, engine=engine, env_runner=runner)
+        forwards0 = engine.num_forwards
         before = {id(s): set(s.block_versions) for s in self.carried + self.done}  # decoded in earlier calls
         stats.carried_in = len(self.carried)
         # overdue ones take slots first (the step waits for them), then the active ones
         for s in sorted(self.carried, key=lambda s: (s.tag not in due, s.status == QUEUED)):
-            engine.adopt(s)
+            client.adopt(s)
         for s in new:
-            seq = engine.submit(s.prompt, s.generator, env=s.env)
+            seq = client.submit(s.prompt, s.generator, env=s.env)
             seq.tag = s.tag
-        complete, note_finished = self._complete_groups(engine, quota, due)
-        engine.drain()
+        complete, note_finished = self._complete_groups(client, quota, due)
+        client.drain()
         note_finished()  # sequences that ended while draining wait in `done` for their group
         self.carried = engine.export()
+        engine.forget_finished()
         stats.carried_out = len(self.carried)
-        stats.forwards = engine.num_forwards
+        stats.forwards = engine.num_forwards - forwards0
         out = []
         for tag in complete:
             members = [s for s in self.done if s.tag == tag]
@@ -111,7 +118,7 @@ class PartialRollouts:
             stats.carried_tokens += old
         return out, stats
 
-    def _complete_groups(self, engine: Engine, quota: int, due: set = frozenset()):
+    def _complete_groups(self, engine, quota: int, due: set = frozenset()):
         """Step `engine` until `quota` groups and every group in `due` are complete (or nothing is left);
         returns the first `quota` completed groups' tags in completion order followed by the `due` ones beyond
         them, and the function that moves newly finished sequences to `self.done` (call it again after

@@ -64,6 +64,8 @@ class Sequence:
     block_versions: dict = field(default_factory=dict)
     tag: object = None  # the caller's key for the sequence (partial rollouts: its prompt group)
     prefix_source: object = None  # a live sequence with the same prompt blocks whose keys/values it will copy
+    turn_rule: object = None  # multi-turn: the client's rule, tokens of the turn -> (reason it is over or None, text)
+    pause: tuple | None = None  # (reason, text) of the turn that paused the sequence (WAITING) for its client
     # copied out of the slot when the sequence finishes (or is exported at a block boundary)
     canvas: list[int] = field(default_factory=list)
     trace: list[int] = field(default_factory=list)
@@ -72,6 +74,7 @@ class Sequence:
         """Picklable (partial rollouts' checkpoints): a pending environment step is waited for and kept as
         its outcome; the environment itself must pickle."""
         state = dict(self.__dict__)
+        state["turn_rule"] = None  # the client's (it holds a tokenizer): the adopting driver sets its own
         fut = state.pop("future", None)
         if fut is not None:
             try:

@@ -45,6 +45,7 @@ class RolloutWorker:
         self.sync_group = None  # rollout.weight_sync.WeightBroadcastGroup with ray.weight_sync=broadcast
         self.partial = None  # rollout.partial.PartialRollouts: sequences carried between steps
         self.env_runner = None  # its environments' step threads (rollout.env_steps.StepRunner)
+        self.engines = None  # rollout.engine_holder.EngineHolder: the worker's one engine, built on first use
         if weights is not None:
             self.load_weights(weights, weights_version)
         if fp8:
@@ -70,7 +71,8 @@ class RolloutWorker:
         if rows is not None:
             return self._generate_turns(prompt_ids, seeds, config, rows)
         with torch.no_grad():
-            outs = generate(self.model, prompt_ids, config, tokenizer=self.tokenizer, seeds=seeds)
+            outs = generate(self.model, prompt_ids, config, tokenizer=self.tokenizer, seeds=seeds,
+                            engines=self._engines())
         return [_single_turn_sample(o, self.version) for o in outs]
 
     def _generate_turns(self, prompt_ids: list[list[int]], seeds: list[int], config, rows: list[dict]) -> list[dict]:
@@ -84,7 +86,7 @@ class RolloutWorker:
         if len(rows) != len(prompt_ids):
             raise ValueError(f"RolloutWorker.generate: one row per prompt ({len(prompt_ids)}), got {len(rows)}")
         trajs = run_episodes(self.model, prompt_ids, rows, self.env_factory, config, MultiTurnConfig(**self.multiturn),
-                             tokenizer=self.tokenizer, seeds=seeds)
+                             tokenizer=self.tokenizer, seeds=seeds, engines=self._engines())
         return [_multi_turn_sample(t, self.version) for t in trajs]
 
     def generate_partial(self, prompt_ids: list[list[int]], seeds: list[int], tags: list, quota: int,
@@ -123,7 +125,7 @@ class RolloutWorker:
             seqs, stats = self.partial.collect(self.model, cfg, new, quota, self.version, max_batch=cfg.max_batch,
                                                min_version=min_version, due_version=due_version,
                                                tokenizer=self.tokenizer, mt=mt,
-                                               runner=self.env_runner)
+                                               runner=self.env_runner, engines=self._engines())
         samples = []
         for s in seqs:
             if s.env is None:
@@ -161,6 +163,19 @@ class RolloutWorker:
 
         self.partial = None if state is None else PartialRollouts.from_state(state)
 
+    def _engines(self):
+        """The worker's one rollout engine (`rollout.engine_holder`), built on first use, after any FP8 conversion."""
+        if self.engines is None:
+            from .engine_holder import EngineHolder
+
+            self.engines = EngineHolder(self.model, self.version)
+        return self.engines
+
+    def _new_version(self, version: int) -> None:
+        self.version = version
+        if self.engines is not None:
+            self.engines.set_version(version)
+
     def load_weights(self, state_dict, version: int) -> float:
         """Load a learner state_dict (stacked-expert names or released names), or a
         `rollout.weight_sync.WeightParts` (one object-store reference per bucket, fetched and loaded one
@@ -183,7 +198,7 @@ class RolloutWorker:
             requantize_model_(self.model, state_dict)
         else:
             self.model.load_state_dict(state_dict, strict=True)
-        self.version = version
+        self._new_version(version)
         return time.perf_counter() - start
 
     def join_sync_group(self, addr: str, port: int, rank: int, world_size: int, timeout_s: float,
@@ -205,7 +220,7 @@ class RolloutWorker:
         loader = StreamingWeightLoader(self.model, self.fp8)
         self.sync_group.receive(version, consume=loader.load_part)
         loader.finish()
-        self.version = version
+        self._new_version(version)
         return time.perf_counter() - start
 
     def close_sync_group(self) -> None:

@@ -86,6 +86,11 @@ class RLRun:
 def check(cfg: RLConfig) -> RLRun:
     """Step 1: everything that can be checked before a run directory exists (see the module docstring)."""
     model_spec = resolve_model_path(cfg.model)
+    if cfg.rollout.tensor_parallel > 1 or cfg.rollout.expert_parallel > 1:
+        # planned and checked by `ebpo plan`; the rollout worker would otherwise hold the whole model on one device
+        raise ConfigError(f"rollout.tensor_parallel = {cfg.rollout.tensor_parallel}, rollout.expert_parallel = "
+                          f"{cfg.rollout.expert_parallel}: the rollout worker does not run the parallel model yet "
+                          "(docs/parallel.md); `ebpo plan` sizes such a layout, `ebpo train` needs both at 1")
     model_k = model_block_size(model_spec)
     if cfg.model_overrides:
         model_config_of(model_spec, cfg.model_overrides)  # a bad value stops here, before anything is written

@@ -22,6 +22,7 @@ import torch
 
 from rollout.config import DecodeConfig
 from rollout.engine import Engine
+from rollout.multiturn import TurnDriver
 from rollout.sequence import FINISHED
 
 
@@ -55,8 +56,9 @@ class EngineDriver:
                  engine_config: DecodeConfig | None = None):
         self.model, self.tokenizer, self.mt = model, tokenizer, mt
         self.max_batch, self.max_len = int(max_batch), int(max_len)
-        self.engine = Engine(model, engine_config or DecodeConfig(), max_batch=self.max_batch, canvas_len=self.max_len,
-                             tokenizer=tokenizer, mt=mt)
+        self.engine = Engine(model, engine_config or DecodeConfig(), max_batch=self.max_batch, canvas_len=self.max_len)
+        # sequences with an environment (the agent gateway's episodes) go through the multi-turn client
+        self.turns = TurnDriver(tokenizer=tokenizer, mt=mt, engine=self.engine) if mt is not None else None
         self.pending: dict = {}  # Future -> Sequence not finished yet
         self.inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -87,7 +89,7 @@ class EngineDriver:
         """Queue one sequence (token ids, its `DecodeConfig`, its own generator when sampling, a single-turn
         length, an environment for a multi-turn sequence); the Future gives the finished `Sequence` (or the
         ValueError the engine raised: a prompt too long for the canvas, settings the engine cannot decode with,
-        such as DELETE / INSERT without their token ids or another block size). on_start(sequence, engine)
+        such as DELETE / INSERT without their token ids or another block size). on_start(sequence, driver)
         is called in the driver thread once the engine holds the sequence (the agent gateway reads a waiting
         turn's token ids from the engine's slot through it)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -110,7 +112,10 @@ class EngineDriver:
         try:
             while not self._stop.is_set():
                 self._drain(block=not self._busy())
-                self.engine.step()
+                if self.turns is not None:
+                    self.turns.step()
+                else:
+                    self.engine.step()
                 self._collect()
         except BaseException as e:  # noqa: BLE001 - fail every waiting caller instead of hanging them
             self.error = e
@@ -138,14 +143,16 @@ class EngineDriver:
             if not sub.future.set_running_or_notify_cancel():
                 continue
             try:
-                seq = self.engine.submit(sub.prompt, sub.generator, env=sub.env, max_new_tokens=sub.max_new,
-                                         config=sub.config)
+                if sub.env is not None:
+                    seq = self.turns.submit(sub.prompt, sub.generator, env=sub.env)
+                else:
+                    seq = self.engine.submit(sub.prompt, sub.generator, max_new_tokens=sub.max_new, config=sub.config)
             except ValueError as e:
                 sub.future.set_exception(e)
                 continue
             self.pending[sub.future] = seq
             if sub.on_start is not None:
-                sub.on_start(seq, self.engine)
+                sub.on_start(seq, self)
 
     def _abort(self, fut: concurrent.futures.Future) -> None:
         seq = self.pending.pop(fut, None)

@@ -95,3 +95,13 @@ def test_a_bad_environment_stops_before_anything_is_written(tmp_path, capsys, ov
     err = capsys.readouterr().err
     assert rc == 2 and expected in _one_line(err)
     assert not run.exists()
+
+
+@pytest.mark.parametrize("key", ["rollout.tensor_parallel=2", "rollout.expert_parallel=2"])
+def test_a_parallel_rollout_layout_is_refused_until_the_worker_runs_it(tmp_path, capsys, key):
+    """`ebpo plan` sizes tensor / expert parallel rollouts; `ebpo train` refuses them in one line, before anything
+    is written, instead of holding the whole model on one device."""
+    run = tmp_path / "run"
+    rc, err = _train(capsys, key, f"trainer.run_dir={run}")
+    assert rc == 2 and "does not run the parallel model yet" in _one_line(err) and key.split("=")[0] in err
+    assert not run.exists()

@@ -165,7 +165,8 @@ def test_generate_single_turn(loads, monkeypatch):
     out = w.generate([[1], [2, 3]], [10, 11])
     (model, ids, config, kw, grad), = calls
     assert model is w.model and ids == [[1], [2, 3]] and config == w.decode_config
-    assert kw == {"tokenizer": w.tokenizer, "seeds": [10, 11]} and grad is False
+    assert kw == {"tokenizer": w.tokenizer, "seeds": [10, 11], "engines": w.engines} and grad is False
+    assert w.engines.model is w.model and w.engines.version == 4  # the worker's one engine holder, built once
     assert out == [_single_turn_sample(gen_out(i), 4) for i in range(2)]
     decode = {"max_new_tokens": 3}
     w.generate([[1]], [0], decode=decode)
@@ -177,7 +178,8 @@ def test_generate_single_turn(loads, monkeypatch):
 def test_generate_multi_turn(loads, monkeypatch):
     calls = []
 
-    def run_episodes(model, prompts, rows, env_factory, config, mt, *, tokenizer, seeds):
+    def run_episodes(model, prompts, rows, env_factory, config, mt, *, tokenizer, seeds, engines):
+        assert engines is w.engines
         calls.append((model, prompts, rows, env_factory, config, mt, tokenizer, seeds))
         return [Traj([SimpleNamespace(text=f"r{i}", finished_by="eos")]) for i in range(len(prompts))]
 
@@ -262,7 +264,7 @@ def test_generate_partial_wiring(loads, monkeypatch, multi):
     assert model is w.model and cfg == w.decode_config and quota == 1 and version == 6
     assert kw == dict(max_batch=3, min_version=4, due_version=5, tokenizer=w.tokenizer,
                       mt=multiturn.MultiTurnConfig(max_workers=2) if multi else None,
-                      runner="runner2" if multi else None)
+                      runner="runner2" if multi else None, engines=w.engines)
     assert [n.tag for n in new] == ["g1", "g2"]
     assert [n.prompt for n in new] == ([[1, 2], [2, 2]] if multi else [[1], [2]])
     assert [n.env for n in new] == (envs if multi else [None, None])
