@@ -50,11 +50,21 @@ _ITERATION_ENDS = ("StopIteration", "StopAsyncIteration")
 _HARNESS_WHY = ("timeout", "died", "output_limit")
 
 
+def record_cap(max_output_bytes):
+    """The longest line the harness sends for a test whose output it bounds at ``max_output_bytes`` raw bytes:
+    a stdio record carries that stdout as escaped JSON, where one byte costs up to 6 (a control byte, or an
+    invalid one decoded as U+FFFD, is written ``\\uXXXX``; any other character costs at most 3 bytes per byte,
+    12 for a 4-byte one), plus the record's own fields. A candidate's answer line is forwarded as written,
+    at most ``max_output_bytes``."""
+    return 6 * max_output_bytes + 4096
+
+
 class _Chan:
     """The sample's channel to the harness: numbered requests, answers read line by line."""
 
     def __init__(self, sock, cap):
         self.sock, self.cap, self.buf, self.seq = sock, cap, b"", 0
+        self.skipping = False  # a line was cut at the cap: the rest of it is dropped when it comes
         self.end = None  # the sample's deadline, known once the harness is ready
         self.total = self.test_timeout = 0.0
 
@@ -107,17 +117,26 @@ class _Test:
                 self.chan.ready()
 
     def _line(self):
+        """The next line from the harness; a line longer than the channel's cap fails the call
+        (``output_limit``) and is dropped whole, however it arrives: its tail is never read as lines."""
         ch = self.chan
-        while b"\n" not in ch.buf:
-            if len(ch.buf) > ch.cap:
-                ch.buf = b""
+        while True:
+            nl = ch.buf.find(b"\n")
+            if nl > ch.cap or (nl < 0 and len(ch.buf) > ch.cap):
+                ch.buf, ch.skipping = (ch.buf[nl + 1:], False) if nl >= 0 else (b"", True)
                 self.fail("output_limit")
+            if nl >= 0:
+                line, ch.buf = ch.buf[:nl], ch.buf[nl + 1:]
+                return line
             chunk = ch.sock.recv(1 << 20)
             if not chunk:
                 self.fail("died")
+            if ch.skipping:  # the tail of a line cut at the cap
+                nl = chunk.find(b"\n")
+                if nl < 0:
+                    continue
+                chunk, ch.skipping = chunk[nl + 1:], False
             ch.buf += chunk
-        line, ch.buf = ch.buf.split(b"\n", 1)
-        return line
 
     def fail(self, why):
         self.failed = self.failed or why
@@ -320,7 +339,7 @@ def judge_sample(job, chan, out):
     first test is sent before that, so the sandbox starts it at once, and its alarm is re-armed then."""
     out.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
     signal.signal(signal.SIGALRM, _alarm)
-    ch = _Chan(chan, job["max_output_bytes"] + 4096)
+    ch = _Chan(chan, record_cap(job["max_output_bytes"]))
     ch.total, ch.test_timeout = job["total_timeout_s"], job["test_timeout_s"]
     tests, ahead = list(job["tests"]), 0
     for i, spec in enumerate(tests):

@@ -311,7 +311,8 @@ class _Session:
     """Feeds the job to the harness, reads its progress and the judge's verdicts, and enforces the
     deadlines from outside (judging included: the judge's time counts against the same budget)."""
 
-    def __init__(self, proc: subprocess.Popen, job: bytes, limits: Limits, n_tests: int, verdicts):
+    def __init__(self, proc: subprocess.Popen, job: bytes, limits: Limits, n_tests: int, verdicts,
+                 max_capture: int = 0):
         self.proc, self.pending, self.limits, self.vsock = proc, job, limits, verdicts
         self.verdicts: list = [None] * n_tests
         self.outputs: list = [""] * n_tests  # captured stdout of `capture` tests (text, bounded by the judge)
@@ -322,6 +323,9 @@ class _Session:
         self.hard_end = time.monotonic() + limits.total_timeout_s + RUN_GRACE_S
         self.test_end = None
         self.line_cap = 1 << 16
+        # a verdict carries a capture test's text (at most max_capture characters) as escaped JSON: up to 12
+        # bytes a character (a 4-byte one is a surrogate pair of \\uXXXX)
+        self.verdict_cap = max(1 << 16, 12 * max_capture + 4096)
 
     def _handle(self, line: bytes) -> None:
         """One line of the harness's stdout (trusted code, but in a process the candidate may stop)."""
@@ -368,6 +372,8 @@ class _Session:
         v_fd = self.vsock.fileno()
         os.set_blocking(in_fd, False)
         bufs, open_fds = {out_fd: bytearray(), v_fd: self.vbuf}, {out_fd, err_fd}
+        if self.verdict_cap > 1 << 16:  # a capture's verdict may not fit the socket's buffer: read as it comes
+            open_fds.add(v_fd)
         while True:
             if (self.done or out_fd not in open_fds) and v_fd not in open_fds and not self.v_closed:
                 # the verdicts wait in their socket until the harness is done (the judge says bye
@@ -403,8 +409,8 @@ class _Session:
                     buf[:] = rest
                     for line in lines:
                         (self._handle if fd == out_fd else self._verdict)(line)
-                    if len(rest) > self.line_cap:
-                        self.reason = "harness output too long"
+                    if len(rest) > (self.line_cap if fd == out_fd else self.verdict_cap):
+                        self.reason = "harness output too long" if fd == out_fd else "verdict too long"
                         return
         if not self.judged:
             self.reason = self.reason or "judge or harness exited early"
@@ -529,7 +535,8 @@ def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo,
                                         start_new_session=True, **_user_kwargs(uid))
                 chan.close()  # the harness holds it now: when the sandbox dies the judge sees EOF
                 stdin = b"%010d" % len(harness) + harness + (json.dumps(job) + "\n").encode()
-                session = _Session(proc, stdin, limits, len(tests), verdicts)
+                session = _Session(proc, stdin, limits, len(tests), verdicts,
+                                   max((int(t.get("capture") or 0) for t in tests), default=0))
                 try:
                     session.run()
                 finally:

@@ -378,16 +378,20 @@ def test_a_slow_answer_is_a_timeout_of_that_test_only():
 
 
 def test_output_over_the_cap_is_output_limit():
-    """A line longer than the job's output bound plus 4096 bytes of framing is cut off as output_limit; one
-    below it passes (both lines are longer than a socket buffer, so they arrive in several pieces)."""
+    """A line longer than the cap on a harness line (`record_cap` of the job's output bound: six bytes per byte
+    of output, the most JSON's escapes cost, plus 4096 of framing) is cut off as output_limit; one within it
+    passes (both lines are longer than a socket buffer, so they arrive in several pieces)."""
     big = "x" * (1 << 20)
+    line = len(json.dumps({"v": plain_encode(big)})) + 2  # "<seq> " with a one-digit seq
 
     def raw(msg):
         if msg["op"] == "start":
             return b'%d {"names": {"f": ["fn"]}}\n' % msg["seq"]
         return b"%d " % msg["seq"] + json.dumps({"v": plain_encode(big)}).encode() + b"\n"
-    for bound, want in [(100, (False, "output_limit")), (1 << 19, (False, "output_limit")),
-                        ((1 << 20) + 100, (True, "ok"))]:
+    over = (line - 4096) // 6 - 1  # the largest bound whose cap is below the line
+    assert J.record_cap(over) < line <= J.record_cap(over + 2)
+    for bound, want in [(100, (False, "output_limit")), (over, (False, "output_limit")),
+                        (over + 2, (True, "ok"))]:
         recs, _ = judge([_call_spec(["f"], src="assert f() == 'x' * (1 << 20)")], max_output=bound, raw=raw)
         assert _v(recs) == [want], bound
 

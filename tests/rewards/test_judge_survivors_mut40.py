@@ -102,11 +102,12 @@ def _sized(size, name):
     return Sized
 
 
-def test_a_line_is_read_up_to_the_output_bound_plus_4096_and_the_next_test_still_reads_its_answers(monkeypatch):
+def test_a_line_is_read_up_to_the_record_cap_and_the_next_test_still_reads_its_answers(monkeypatch):
     import test_judge_inprocess_40 as H
     bound = 3000
     tests = [_call_spec(["f"], src="assert f() == 'x'"), _call_spec(["g"], src="assert g() == 2")]
-    for size, want in [(bound + 4096, (True, "ok")), (bound + 4097, (False, "output_limit"))]:
+    assert J.record_cap(bound) == 6 * bound + 4096
+    for size, want in [(J.record_cap(bound), (True, "ok")), (J.record_cap(bound) + 1, (False, "output_limit"))]:
         monkeypatch.setattr(H, "Harness", _sized(size, "f"))
         recs, _ = judge(tests, max_output=bound, names={"f": lambda: "x", "g": lambda: 2})
         assert _v(recs) == [want, (True, "ok")], size
