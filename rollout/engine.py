@@ -28,7 +28,7 @@ import torch
 
 from ebpo.core.turns import round_up
 
-from .lifecycle import after_mbe, block_ended, release, start_block
+from .lifecycle import after_mbe, block_ended, release, settings_for, start_block
 from .runner import make_runner
 from .sequence import FINISHED, QUEUED, WAITING, Sequence
 
@@ -84,20 +84,16 @@ class Engine:
         """Sum over those calls of the rows that took part."""
         return self.runner.row_forwards
 
-    @property
-    def prompt_tokens_computed(self) -> int:
-        """Prompt positions run by forwards (what shared prompt prefixes save)."""
-        return self.runner.prompt_tokens_computed
-
     # ---- clients
     def submit(self, prompt: list[int], generator: torch.Generator | None = None, env=None,
                max_new_tokens: int | None = None, config=None, turn_rule=None) -> Sequence:
         """Queue one sequence: prompt token ids; its own generator when sampling; `env`, client data kept on the
         sequence (the multi-turn driver's environment); the generated positions of its (first) turn, default its
         config's `max_new_tokens`; its own `DecodeConfig`, default the engine's (sequences with different settings
-        share forwards, see `settings_for`); `turn_rule(tokens) -> (reason or None, text)`, for a multi-turn
-        sequence: called when a block ends with the turn's tokens, a reason pauses it. Returns its `Sequence`."""
-        cfg = self.settings_for(config)
+        share forwards, see `rollout.lifecycle.settings_for`); `turn_rule(tokens) -> (reason or None, text)`, for a
+        multi-turn sequence: called when a block ends with the turn's tokens, a reason pauses it. Returns its
+        `Sequence`."""
+        cfg = settings_for(self, config)
         s = Sequence(id=self.next_id, prompt=[int(t) for t in prompt], generator=generator, env=env,
                      max_new=int(max_new_tokens or cfg.max_new_tokens), cfg=cfg, turn_rule=turn_rule)
         if len(s.prompt) + (s.max_new if turn_rule is None else 1) > self.T:
@@ -107,29 +103,6 @@ class Engine:
         self.sequences.append(s)
         self.queue.append(s)
         return s
-
-    def settings_for(self, config):
-        """The `DecodeConfig` a sequence decodes with (`config`, or the engine's when None), checked against
-        what is fixed per engine: the block size (every row of a forward has the model's blocks), the prefix
-        cache and the compiled step (the engine's own choices, which a request cannot change; the compiled step
-        also fixes every decoding threshold: it is one graph for one setting). ValueError names the field."""
-        if config is None:
-            return self.cfg
-        K = config.block_size or self.model.config.block_size
-        if K != self.K:
-            raise ValueError(f"DecodeConfig.block_size: this engine decodes blocks of {self.K} tokens, got {K}; "
-                             f"the block size is fixed per engine")
-        for name in ("use_cache", "compiled_step"):
-            if getattr(config, name) != getattr(self.cfg, name):
-                raise ValueError(f"DecodeConfig.{name}: this engine runs with {name}={getattr(self.cfg, name)}, "
-                                 f"got {getattr(config, name)}; it is fixed per engine")
-        if self.cfg.compiled_step and config.replace(max_new_tokens=self.cfg.max_new_tokens,
-                                                     max_batch=self.cfg.max_batch) != self.cfg:
-            raise ValueError("DecodeConfig: the compiled step decodes every sequence with the engine's settings; "
-                             "only max_new_tokens may differ per sequence (use the eager engine for mixed settings)")
-        if config.levenshtein:
-            _lev_ids(config, self.model.config)
-        return config
 
     def extend(self, s: Sequence, ids: list[int], max_new_tokens: int) -> None:
         """Continue the paused sequence `s` (WAITING, its turn ended on a block boundary): append `ids` (an
@@ -171,18 +144,16 @@ class Engine:
         self.sequences = [s for s in self.sequences if s.status != FINISHED]
         return done
 
-    def run(self) -> list[Sequence]:
-        """Step until no sequence can move; returns every sequence in submission order."""
-        while self.step():
+    def run(self, until=None) -> list[Sequence]:
+        """Step until `until()` is true (when given) or no sequence can move; returns every sequence in submission
+        order."""
+        while not (until is not None and until()) and self.step():
             pass
-        if self.progress:
+        if self.progress and until is None:
             print(file=sys.stderr)
         return self.sequences
 
-    def run_until(self, done) -> None:
-        """Step until `done()` is true or no sequence can move."""
-        while not done() and self.step():
-            pass
+    run_until = run
 
     def step(self) -> bool:
         """One scheduler iteration (module docstring). False when no sequence can move (nothing queued, nothing

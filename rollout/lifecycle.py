@@ -1,7 +1,7 @@
-"""What happens to a sequence of the rollout engine between forwards: a block starts, a block ends (an MBE
-window, the next block, a paused turn, the end), a slot is given back. Functions of the engine's state, kept
-apart from `rollout.engine` so that the scheduler's class stays small; the runner (`rollout.runner`) does every
-device-side change.
+"""What happens to a sequence of the rollout engine between forwards: its settings are checked at submission,
+a block starts, a block ends (an MBE window, the next block, a paused turn, the end), a slot is given back.
+Functions of the engine's state, kept apart from `rollout.engine` so that the scheduler's class stays small; the
+runner (`rollout.runner`) does every device-side change.
 """
 from __future__ import annotations
 
@@ -77,3 +77,28 @@ def after_block(engine, s, eos: bool | None = None) -> None:
         return
     s.length, s.status, s.pause = end, WAITING, (reason, text)
     engine.paused.append(s)
+
+
+def settings_for(engine, config):
+    """The `DecodeConfig` a sequence decodes with (`config`, or the engine's when None), checked against
+    what is fixed per engine: the block size (every row of a forward has the model's blocks), the prefix
+    cache and the compiled step (the engine's own choices, which a request cannot change; the compiled step
+    also fixes every decoding threshold: it is one graph for one setting). ValueError names the field."""
+    if config is None:
+        return engine.cfg
+    K = config.block_size or engine.model.config.block_size
+    if K != engine.K:
+        raise ValueError(f"DecodeConfig.block_size: this engine decodes blocks of {engine.K} tokens, got {K}; "
+                         f"the block size is fixed per engine")
+    for name in ("use_cache", "compiled_step"):
+        if getattr(config, name) != getattr(engine.cfg, name):
+            raise ValueError(f"DecodeConfig.{name}: this engine runs with {name}={getattr(engine.cfg, name)}, "
+                             f"got {getattr(config, name)}; it is fixed per engine")
+    if engine.cfg.compiled_step and config.replace(max_new_tokens=engine.cfg.max_new_tokens,
+                                                   max_batch=engine.cfg.max_batch) != engine.cfg:
+        raise ValueError("DecodeConfig: the compiled step decodes every sequence with the engine's settings; "
+                         "only max_new_tokens may differ per sequence (use the eager engine for mixed settings)")
+    if config.levenshtein and engine.model_lev_ids is None:
+        raise ValueError("DecodeConfig.tau_delete / tau_insert: the model's config has no delete_token_id / "
+                         "insert_token_id; Levenshtein editing needs a model trained with them")
+    return config

@@ -32,8 +32,8 @@ def _run(model, cfg, prompts: list[list[int]], seeds: list[int], max_batch: int,
         done = engine.run()
     wall = time.perf_counter() - t0
     return {"share_prefix": share, "wall_s": wall, "forwards": engine.num_forwards,
-            "prompt_tokens_computed": engine.prompt_tokens_computed,
-            "prompt_tokens_per_sequence": engine.prompt_tokens_computed / len(prompts),
+            "prompt_tokens_computed": engine.runner.prompt_tokens_computed,
+            "prompt_tokens_per_sequence": engine.runner.prompt_tokens_computed / len(prompts),
             "tokens": [q.canvas[q.prompt_len:q.prompt_len + q.max_new] for q in done]}
 
 

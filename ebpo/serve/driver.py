@@ -7,7 +7,7 @@ calls, so a request that arrives while a batch is decoding joins it at the next 
 and the engine itself needs no lock.
 
 Every request's `DecodeConfig` travels with its sequences: requests with different temperatures, presets or
-thresholds share the same forwards (`Engine.settings_for` says what must match: the block size, the cache and
+thresholds share the same forwards (`rollout.lifecycle.settings_for` says what must match: the block size, the cache and
 the compiled step). A sequence's tokens depend only on its prompt, generator, settings and the weights
 (`rollout.engine`), never on what else is in the batch. The engine lives as long as the driver.
 """

@@ -41,7 +41,7 @@ def test_a_group_shares_its_prompt_blocks_and_decodes_like_each_alone(max_batch)
             rs = ref_single(stub, p, m, CFG)
             assert s.canvas == rs.x[:rs.num_blocks * K] and s.trace == rs.trace[:rs.num_blocks * K]
             assert s.forwards == rs.forwards
-    saved = runs[False].prompt_tokens_computed - runs[True].prompt_tokens_computed
+    saved = runs[False].runner.prompt_tokens_computed - runs[True].runner.prompt_tokens_computed
     if max_batch == 8:  # all admitted at once: one GROUP computes, three copy 8; OTHER[:5] copies OTHER's block
         assert saved == 3 * 8 + 4
     assert 0 <= saved <= 3 * 8 + 4
@@ -56,7 +56,7 @@ def test_without_a_live_source_a_sequence_computes_its_prompt_itself():
         eng = _engine(stub, 1, share)
         seqs = [eng.submit(GROUP, max_new_tokens=6) for _ in range(3)]
         eng.run()
-        counts.append(eng.prompt_tokens_computed)
+        counts.append(eng.runner.prompt_tokens_computed)
         for s in seqs:
             assert s.canvas == ref_single(stub, GROUP, 6, CFG).x[:s.num_blocks * K]
     assert counts[0] == counts[1] > 3 * 8  # whole blocks once each, the partial block every forward of its block
@@ -75,4 +75,4 @@ def test_sampled_group_on_the_tiny_model_equals_generate_alone():
     for i, s in enumerate(seqs):
         alone = generate(model, [prompt], cfg, seeds=[i])[0]
         assert s.canvas[40:40 + len(alone.token_ids)] == alone.token_ids and s.forwards == alone.num_forwards
-    assert eng.prompt_tokens_computed == 40  # 40 prompt tokens = 5 whole blocks, computed by the first sample only
+    assert eng.runner.prompt_tokens_computed == 40  # 40 prompt tokens = 5 whole blocks, computed by the first sample only
