@@ -56,13 +56,14 @@ def apply_block_steps(st: SlotTensors, seqs: list, results: list[tuple], cfg, K:
     cfgs = list(cfg) if isinstance(cfg, (list, tuple)) else [cfg] * n
     levs = list(lev_ids) if isinstance(lev_ids, list) else [lev_ids] * n
     groups: dict = {}
-    for i in range(n):
-        groups.setdefault((cfgs[i], levs[i]), []).append(i)
+    for i in range(n):  # sampling settings do not enter the step: rows that decide alike take one batched step
+        groups.setdefault((_decision_settings(cfgs[i]), levs[i]), []).append(i)
     done, wrote = [False] * n, [False] * n
     evs: list = [None] * n
-    for (c, lev), members in groups.items():
+    for (_, lev), members in groups.items():
         ev = [] if events is not None else None
-        d, w = _apply_group(st, [seqs[i] for i in members], [results[i] for i in members], c, K, mask_id, lev, ev)
+        d, w = _apply_group(st, [seqs[i] for i in members], [results[i] for i in members], cfgs[members[0]], K,
+                            mask_id, lev, ev)
         for j, i in enumerate(members):
             done[i], wrote[i] = d[j], w[j]
             if ev is not None:
@@ -70,6 +71,12 @@ def apply_block_steps(st: SlotTensors, seqs: list, results: list[tuple], cfg, K:
     if events is not None:
         events.extend(evs)
     return done, wrote
+
+
+def _decision_settings(cfg) -> tuple:
+    """The `DecodeConfig` fields the draft-and-edit step and the block-end rule read (`_apply_group`)."""
+    return (cfg.tau_mask, cfg.tau_edit, cfg.num_to_transfer, cfg.max_post_steps, cfg.early_commit, cfg.tau_delete,
+            cfg.tau_insert, cfg.max_lev_edits)
 
 
 def _apply_group(st: SlotTensors, seqs: list, results: list[tuple], cfg, K: int, mask_id: int,

@@ -14,7 +14,7 @@ import torch
 
 from .layout import build_layout, gather_span
 from .levenshtein import edit_probs
-from .sampling import candidates
+from .sampling import candidates, candidates_at_temperatures
 from .steps import penalty_targets
 
 
@@ -68,43 +68,51 @@ def row_candidates(model, hidden: torch.Tensor, canvas: torch.Tensor, slots: lis
     gens: per row, its generator (None when greedy). cfg: one `DecodeConfig` for every row, or a list with each
     row's own (requests with different settings share the forward). lev_ids: (DELETE id, INSERT id) when
     Levenshtein editing is on, or a list with each row's (None where off): their probabilities are priced from the
-    logits, then they are kept out of the written tokens. Rows are grouped by target length and by sampling
-    settings; a row's candidates depend only on its own hidden states, settings and generator.
+    logits, then they are kept out of the written tokens. The LM head runs once per target length; candidates are
+    drawn per group of rows that sample alike (greedy or not, top-k, top-p, penalty; each sampled row at its own
+    temperature). A row's candidates depend only on its own hidden states, settings and generator.
     """
     n = len(slots)
     cfgs = list(cfg) if isinstance(cfg, (list, tuple)) else [cfg] * n
     levs = list(lev_ids) if isinstance(lev_ids, list) else [lev_ids] * n
     results: list[tuple | None] = [None] * n
-    groups: dict = {}
-    for i in range(n):
-        c = cfgs[i]
-        key = (plan.t_len[i], c.temperature, c.top_k, c.top_p, c.repetition_penalty, levs[i])
-        groups.setdefault(key, []).append(i)
-    for (length, *_), members in sorted(groups.items(), key=lambda kv: kv[1][0]):
-        _group_candidates(model, hidden, canvas, slots, plan, gens, cfgs[members[0]], mask_id, levs[members[0]],
-                          members, length, results)
+    for length in sorted(set(plan.t_len)):
+        members = [i for i, tl in enumerate(plan.t_len) if tl == length]
+        h = gather_span(hidden[members], [plan.t_start[i] - plan.q_start[i] for i in members], length)
+        logits = model.lm_head(h).float()
+        # design choice: a written token is never <|mask|> (a trained model gives it ~0 probability; an
+        # untrained one would otherwise "fill" a mask with a mask and stall the block)
+        logits[..., mask_id] = float("-inf")
+        groups: dict = {}
+        for j, i in enumerate(members):
+            c = cfgs[i]
+            groups.setdefault((c.temperature == 0, c.top_k, c.top_p, c.repetition_penalty, levs[i]), []).append(j)
+        for (_, top_k, top_p, penalty, lev), rows in groups.items():
+            _group_candidates(logits[rows], canvas, slots, plan, gens, cfgs, mask_id, lev,
+                              [members[j] for j in rows], length, results, top_k, top_p, penalty)
     return results
 
 
-def _group_candidates(model, hidden, canvas, slots, plan, gens, cfg, mask_id, lev_ids, members, length, results):
-    """Candidates of the rows `members` (one target length, one sampling setting) into `results`."""
-    dev = hidden.device
-    h = gather_span(hidden[members], [plan.t_start[i] - plan.q_start[i] for i in members], length)
-    logits = model.lm_head(h).float()
-    # design choice: a written token is never <|mask|> (a trained model gives it ~0 probability; an
-    # untrained one would otherwise "fill" a mask with a mask and stall the block)
-    logits[..., mask_id] = float("-inf")
+def _group_candidates(logits, canvas, slots, plan, gens, cfgs, mask_id, lev_ids, members, length, results,
+                      top_k, top_p, penalty):
+    """Candidates of the rows `members` (one target length, one sampling rule) from their logits into `results`."""
+    dev = logits.device
     eprob = None
     if lev_ids is not None:
         eprob = edit_probs(logits, *lev_ids)
         logits[..., list(lev_ids)] = float("-inf")
     suppress = None
-    if cfg.repetition_penalty:
+    if penalty:
         pos = torch.tensor([plan.t_start[i] for i in members], device=dev)[:, None] + torch.arange(length, device=dev)
         member_rows = torch.tensor([slots[i] for i in members], device=dev)
         prev = canvas[member_rows[:, None], (pos - 1).clamp(min=0)].masked_fill(pos == 0, mask_id)
         suppress = penalty_targets(prev, mask_id)
-    g = [gens[i] for i in members] if cfg.temperature > 0 else None
-    tok, prob = candidates(logits, cfg.temperature, cfg.top_k, cfg.top_p, g, suppress, cfg.repetition_penalty)
+    temps = [cfgs[i].temperature for i in members]
+    if len(set(temps)) == 1:
+        g = [gens[i] for i in members] if temps[0] > 0 else None
+        tok, prob = candidates(logits, temps[0], top_k, top_p, g, suppress, penalty)
+    else:  # sampled rows at their own temperatures: the same maths as one temperature per call
+        tok, prob = candidates_at_temperatures(logits, temps, top_k, top_p, [gens[i] for i in members], suppress,
+                                               penalty)
     for j, i in enumerate(members):
         results[i] = (tok[j], prob[j], None if eprob is None else eprob[j])

@@ -77,6 +77,22 @@ def candidates(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, t
     return candidates_reference(logits, temperature, top_k, top_p, generators, suppress, penalty)
 
 
+def candidates_at_temperatures(logits: torch.Tensor, temperatures: list[float], top_k: int = 0, top_p: float = 1.0,
+                               generators=None, suppress: torch.Tensor | None = None, penalty: float = 0.0):
+    """`candidates` for sampled rows each at its own temperature (all > 0): logits (B, K, V), temperatures (B,).
+
+    The penalty is applied first and each row is divided by its temperature, then sampled at temperature 1 (a
+    division by 1 is exact), so row b gets what `candidates` at temperatures[b] gives it alone."""
+    if min(temperatures) <= 0:
+        raise ValueError("candidates_at_temperatures: every temperature must be > 0 (greedy rows go to candidates)")
+    x = logits.float()
+    if suppress is not None and penalty:
+        valid = (suppress >= 0).to(x.dtype)
+        x = x.scatter_add(-1, suppress.clamp_min(0).long()[..., None], (-penalty * valid)[..., None])
+    t = torch.tensor(temperatures, dtype=x.dtype, device=x.device)[:, None, None]
+    return candidates(x / t, 1.0, top_k, top_p, generators)
+
+
 def kernel_available() -> bool:
     """True when the fused `kernels.decode.candidates` is importable."""
     return _kernel_candidates is not None

@@ -82,3 +82,25 @@ def test_fallback_agrees_with_kernel(temperature, top_k, top_p, penalty):
     t2, p2 = candidates_reference(x, temperature, top_k, top_p, gens(), sup, penalty)
     assert torch.equal(t1, t2)
     torch.testing.assert_close(p1, p2)
+
+
+@pytest.mark.parametrize("top_k, top_p, penalty", [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.8, 2.0), (7, 0.9, 3.0)])
+def test_rows_at_their_own_temperatures_equal_each_row_alone(top_k, top_p, penalty):
+    """Rows sampled in one call at different temperatures get exactly the tokens and probabilities that
+    `candidates` gives each row alone at its temperature, from the same generator state (a plain loop)."""
+    from rollout.sampling import candidates, candidates_at_temperatures
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 6, 50, generator=g) * 3
+    suppress = torch.randint(-1, 50, (4, 6), generator=g)
+    temps = [0.3, 0.7, 1.0, 1.6]
+    tok, prob = candidates_at_temperatures(logits, temps, top_k, top_p,
+                                           [torch.Generator().manual_seed(10 + b) for b in range(4)], suppress, penalty)
+    for b, t in enumerate(temps):
+        ref_tok, ref_prob = candidates(logits[b:b + 1], t, top_k, top_p, [torch.Generator().manual_seed(10 + b)],
+                                       suppress[b:b + 1], penalty)
+        assert torch.equal(tok[b], ref_tok[0])
+        # x / t then / 1 against x / t: the same float ops, so the same bits
+        assert torch.equal(prob[b], ref_prob[0])
+    with pytest.raises(ValueError, match="must be > 0"):
+        candidates_at_temperatures(logits, [0.0, 1.0, 1.0, 1.0])
