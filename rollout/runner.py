@@ -132,8 +132,7 @@ class EagerRunner:
         hidden = run_model(self.model, self.slots.canvas, slots, plan, self.cache, K, self.mask_id)
         cfgs = [s.cfg for s in ready]
         levs = [self.model_lev_ids if s.cfg.levenshtein else None for s in ready]
-        results = row_candidates(self.model, hidden, self.slots.canvas, slots, plan, [s.generator for s in ready],
-                                 cfgs, self.mask_id, levs)
+        results = self.candidates(hidden, slots, plan, ready, cfgs, levs)
         self.num_forwards += 1
         self.row_forwards += len(ready)
         self.prompt_tokens_computed += sum(prompt_tokens_in(s, a, b) for s, a, b in zip(ready, plan.q_start, plan.q_end))
@@ -157,12 +156,23 @@ class EagerRunner:
             self.cache.commit(commit)  # MBE rows commit 0: their window keys used a non-block-causal mask
         return out
 
+    def candidates(self, hidden, slots: list[int], plan, ready: list, cfgs: list, levs: list) -> list[tuple]:
+        """Per ready row, (tok, prob, eprob) of its target span (`rollout.forward.row_candidates`)."""
+        return row_candidates(self.model, hidden, self.slots.canvas, slots, plan, [s.generator for s in ready],
+                              cfgs, self.mask_id, levs)
+
 
 def make_runner(model, cfg, *, max_batch: int, canvas_len: int, K: int, mask_id: int, eos_ids: set[int],
                 model_lev_ids, share_prefix: bool = True):
-    """The runner an engine with `cfg` drives, chosen once: the compiled step's (`cfg.compiled_step`) or the eager
-    one."""
+    """The runner an engine with `cfg` drives, chosen once: one rank's tensor- / expert-parallel runner when `model`
+    is a parallel model (`ebpo.model.parallel`), else the compiled step's (`cfg.compiled_step`) or the eager one."""
     kw = dict(max_batch=max_batch, canvas_len=canvas_len, K=K, mask_id=mask_id, model_lev_ids=model_lev_ids)
+    from ebpo.model.parallel import ParallelLLaDA2MoeLM
+
+    if isinstance(model, ParallelLLaDA2MoeLM):
+        from .parallel_runner import ParallelRunner
+
+        return ParallelRunner(model, cfg, share_prefix=share_prefix, **kw)
     if cfg.compiled_step:
         from .static_slots import CompiledRunner
 
