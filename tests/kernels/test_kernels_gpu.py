@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from _triton_checks import check_decode, check_fp8
+from tests.kernels._triton_checks import check_decode, check_fp8
 
 pytestmark = pytest.mark.gpu
 

@@ -1,12 +1,12 @@
 """Property tests (hypothesis) of the LCS edit labels (ebpo.core.levenshtein) against a brute-force aligner and a
-plain reading of the rules (tests/levenshtein/lev_reference.py), on random short blocks with masks."""
+plain reading of the rules (tests/support/lev_reference.py), on random short blocks with masks."""
 from datetime import timedelta
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import lev_reference as ref
+from tests.support import lev_reference as ref
 from ebpo.core.levenshtein import DEL, INS, alignment, apply_ops, label_ids, lcs_labels
 
 M, DEL_ID, INS_ID = 0, 90, 91

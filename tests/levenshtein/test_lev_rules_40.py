@@ -2,7 +2,7 @@
 
 * L-EBPO's draws (`learner_draws`) pad a partial last block with [MASK] for the alignment and cut it back: for
   every block size and every remainder L mod K, each block's labels are those of a plain per-block reading of
-  the rules with the partial block padded by [MASK] (tests/levenshtein/lev_reference.py);
+  the rules with the partial block padded by [MASK] (tests/support/lev_reference.py);
 * the Levenshtein SFT round (`lev_round`) weighs each editable position as its docstring says: `keep_weight`
   where the label is the draft's own token (keep), `edit_weight` where it is DELETE or INSERT, 1 elsewhere,
   summed and divided by the number of editable positions; nothing outside the editable positions counts.
@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-import lev_reference as ref
+from tests.support import lev_reference as ref
 from ebpo.core.lev_likelihood import learner_draws
 from ebpo.core.levenshtein import lcs_labels
 from ebpo.core.lev_objective import lev_round

@@ -9,7 +9,7 @@ pytest.importorskip("openai")
 
 from ebpo.infra.config import load_config  # noqa: E402
 from ebpo.rl.config import RLConfig  # noqa: E402
-from test_trainer import ray_local  # noqa: E402,F401  (an embedded instance, never a `ray start` cluster)
+from tests.support.ray_runs import ray_local  # noqa: E402,F401  (an embedded instance, never a `ray start` cluster)
 
 COMMON = ["model=tiny-agent", "data.train=examples/data/agent_train.jsonl", "data.eval=examples/data/agent_eval.jsonl",
           "env.turns={max_turns: 3, max_turn_tokens: 96, max_total_tokens: 320, step_timeout_s: 30.0}",

@@ -10,7 +10,7 @@ ray = pytest.importorskip("ray")
 
 from ebpo.infra.config import load_config  # noqa: E402
 from ebpo.rl.config import RLConfig  # noqa: E402
-from test_trainer import ray_local  # noqa: E402,F401  (an embedded instance, never a `ray start` cluster)
+from tests.support.ray_runs import ray_local  # noqa: E402,F401  (an embedded instance, never a `ray start` cluster)
 
 ENV = '''
 import time

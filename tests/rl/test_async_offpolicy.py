@@ -8,7 +8,7 @@ import torch
 
 from ebpo.core.algos import ebpo_loss
 from ebpo.core.offpolicy import decoupled_ebpo_loss, truncated_importance_weights
-from test_learner_group import _model
+from tests.support.models import small_lm
 
 
 def _reference(cur, prox, behav, adv, eps_low, eps_high, cap, dual_clip=None):
@@ -81,7 +81,7 @@ def test_frozen_policy_gives_importance_weights_of_exactly_one(fields):
     from ebpo.rl.learner import EBPOLearner, LearnerConfig
 
     def run(lr):
-        model = _model()
+        model = small_lm()
         learner = EBPOLearner(model, LearnerConfig(lr=lr, n_draws=2, seed=0, max_staleness=2, **fields))
         out = [learner.update(_batch(model, 0, [0, 0, 0, 0]))]
         out.append(learner.update(_batch(model, 1, [0, 1, 0, 1])))  # half the rows one version behind
@@ -101,7 +101,7 @@ def test_frozen_policy_gives_importance_weights_of_exactly_one(fields):
 def test_versions_outside_the_staleness_bound_are_refused():
     from ebpo.rl.learner import EBPOLearner, LearnerConfig
 
-    model = _model()
+    model = small_lm()
     learner = EBPOLearner(model, LearnerConfig(lr=0.01, n_draws=2, seed=0, max_staleness=1))
     learner.update(_batch(model, 0, [0, 0]))
     learner.update(_batch(model, 1, [0, 1]))
@@ -114,7 +114,7 @@ def test_versions_outside_the_staleness_bound_are_refused():
 def test_synchronous_learner_ignores_weight_versions_bit_for_bit():
     from ebpo.rl.learner import EBPOLearner, LearnerConfig
 
-    a_model, b_model = _model(), _model()
+    a_model, b_model = small_lm(), small_lm()
     a = EBPOLearner(a_model, LearnerConfig(lr=0.01, n_draws=2, seed=0))
     b = EBPOLearner(b_model, LearnerConfig(lr=0.01, n_draws=2, seed=0))
     batch = _batch(a_model, 0, [0, 0, 0])
@@ -133,7 +133,7 @@ def _group_worker(rank, world, port, out_path):
     torch.set_num_threads(1)
     from ebpo.rl.learner import EBPOLearner, LearnerConfig
 
-    learner = EBPOLearner(_model(), LearnerConfig(num_workers=world, lr=0.01, n_draws=2, seed=0, max_staleness=1,
+    learner = EBPOLearner(small_lm(), LearnerConfig(num_workers=world, lr=0.01, n_draws=2, seed=0, max_staleness=1,
                                                   noise="bernoulli"))
     model = learner.get_model()
     metrics = [learner.update(_batch(model, i, v)) for i, v in enumerate([[0] * 4, [0, 1, 0, 1], [1, 2, 1, 2]])]

@@ -1,66 +1,12 @@
 """Asynchronous RL through real Ray actors (tiny random model): the pipeline at s = 0 is the synchronous
 loop, the staleness bound holds on every recorded sample, a frozen policy gives importance weights of 1,
 a resumed s = 1 run repeats the uninterrupted one, and a rollout worker killed mid-flight loses nothing."""
-import json
-from pathlib import Path
-
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from ebpo.infra.config import load_config  # noqa: E402
-from ebpo.rl.config import RLConfig  # noqa: E402
-from test_trainer import ray_local  # noqa: E402,F401  (an embedded instance, never a `ray start` cluster)
-
-COMPARED = ("reward/", "actor/", "response_length/", "decode/", "train/", "likelihood/", "async/staleness")
-
-
-@pytest.fixture
-def data(tmp_path):
-    rows = [{"prompt": f"What is {a}+{b}?", "answer": str(a + b), "task": "math"} for a in range(3) for b in range(4)]
-    train = tmp_path / "train.jsonl"
-    train.write_text("\n".join(json.dumps(r) for r in rows))
-    # a reward the random tiny model earns unevenly, so advantages are non-zero and the policy moves
-    (tmp_path / "uneven.py").write_text("def score(*, completion, **_):\n    return (len(completion) % 3) / 2\n")
-    return train
-
-
-def make_cfg(data, run_dir, *extra):
-    return load_config(RLConfig, None, [
-        "model=preset:tiny@0", f"data.train={data}", f"reward.fns=[{{fn: '{data.parent / 'uneven.py'}:score'}}]",
-        "data.eval=null", f"trainer.run_dir={run_dir}",
-        "rollout.prompts_per_step=2", "rollout.group_size=3", "rollout.decode={max_new_tokens: 8, temperature: 1.0}",
-        "trainer.tracking=none", "trainer.progress=false", "trainer.plots=false", "reward.num_workers=1",
-        "reward.timeout_s=5", "rollout.num_threads=1", *extra])
-
-
-def read_metrics(run_dir):
-    return {r["step"]: r for r in (json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines())}
-
-
-def train(cfg, before_fit=None, loop=None):
-    from ebpo.rl.trainer import make_loop
-
-    trainer = make_loop(cfg) if loop is None else loop(cfg)
-    try:
-        if before_fit:
-            before_fit(trainer)
-        trainer.fit()
-    finally:
-        trainer.close()
-    return trainer
-
-
-def assert_same_steps(a: dict, b: dict, steps):
-    for step in steps:
-        keys = [k for k in a[step] if k.startswith(COMPARED)]
-        assert len(keys) > 15
-        for k in keys:
-            assert b[step][k] == pytest.approx(a[step][k], rel=1e-6, abs=1e-7), (step, k)
-
-
-LEARNER = "learner={n_draws: 2, mu: 1, lr: 0.001}"
-
+from tests.support.async_runs import LEARNER, assert_same_steps, data, make_cfg, read_metrics, train  # noqa: E402,F401
+from tests.support.ray_runs import ray_local  # noqa: E402,F401  (an embedded instance, never a `ray start` cluster)
 
 def test_pipeline_at_staleness_zero_is_the_synchronous_loop(ray_local, tmp_path, data):
     from ebpo.rl.async_loop import AsyncLoop

@@ -15,7 +15,7 @@ import ebpo.rl.learner as learner_mod
 from ebpo.core.likelihood import all_composites
 from ebpo.rl.learner import EBPOLearner, LearnerConfig
 from ebpo.rl.records import LearnerBatch, build_learner_batch
-from test_learner_group import _model
+from tests.support.models import small_lm
 
 K = 4  # the tiny model's block size
 EPS = torch.finfo(torch.float32).eps
@@ -64,7 +64,7 @@ class Spy:
         monkeypatch.setattr(learner_mod, "behaviour_of_rows", spy_rows)
 
 
-def _run(monkeypatch, fields, batches, lr=0.05, model_fn=_model, s=2):
+def _run(monkeypatch, fields, batches, lr=0.05, model_fn=small_lm, s=2):
     """A learner over `batches` (dicts); returns (learner, spy of the last update, weights of each version,
     metrics of the last update)."""
     learner = EBPOLearner(model_fn(), LearnerConfig(lr=lr, n_draws=2, seed=0, max_staleness=s, **fields))
@@ -130,11 +130,11 @@ def _three_updates(model):
 
 @pytest.mark.parametrize("fields", CONFIGS)
 def test_split_rows_get_the_per_block_composite_of_their_versions(monkeypatch, fields):
-    model = _model()
+    model = small_lm()
     batches = _three_updates(model)
     learner, spy, states, _ = _run(monkeypatch, fields, batches)
     behav, prox = _behaviour_by_row(spy, 4)
-    ref, mag, nb = _reference(states, _model, batches[-1], SPLIT, spy.noise, learner.cfg)
+    ref, mag, nb = _reference(states, small_lm, batches[-1], SPLIT, spy.noise, learner.cfg)
     tol = _tolerance(mag, nb, model)
     assert bool(((behav - ref).abs() <= tol).all()), (behav - ref).abs().max()
     # not a vacuous check: the split rows' behaviour is far from the proximal (current) composite
@@ -144,7 +144,7 @@ def test_split_rows_get_the_per_block_composite_of_their_versions(monkeypatch, f
 
 @pytest.mark.parametrize("fields", CONFIGS)
 def test_frozen_policy_gives_split_rows_a_weight_of_exactly_one(monkeypatch, fields):
-    model = _model()
+    model = small_lm()
     _, spy, _, m = _run(monkeypatch, fields, _three_updates(model), lr=0.0)
     assert m["actor/is_weight_min"] == 1.0 and m["actor/is_weight_max"] == 1.0, m
     assert m["actor/behav_log_ratio_mean"] == 0.0 and m["actor/is_truncated_frac"] == 0.0
@@ -155,7 +155,7 @@ def test_frozen_policy_gives_split_rows_a_weight_of_exactly_one(monkeypatch, fie
 def test_one_version_per_row_is_todays_update_bit_for_bit():
     runs = []
     for with_blocks in (False, True):
-        model = _model()
+        model = small_lm()
         learner = EBPOLearner(model, LearnerConfig(lr=0.05, n_draws=2, seed=0, max_staleness=2, mu=2,
                                                    minibatch_size=2))
         metrics = []
@@ -186,7 +186,7 @@ def _trajectory_row(prompt, turns):
 def test_multi_turn_rows_split_across_versions_match_the_per_block_loop(monkeypatch):
     # prompt of 6 (turn 1 ends block 1), a 5-token observation (block 2 observation only), turn 2 from position
     # 13 (blocks 3-4), decoded after the weights moved: blocks [-1, 0, -1, 1, 1]
-    model = _model()
+    model = small_lm()
     ids, gen, seg = _trajectory_row([4, 5, 6, 7, 8, 9], [([20, 21], [50, 51, 52, 53, 54]),
                                                           ([22, 23, 24, 25, 26, 1], None)])
     prompts = [ids[:6], [4, 5, 6]]
@@ -199,7 +199,7 @@ def test_multi_turn_rows_split_across_versions_match_the_per_block_loop(monkeypa
     first = _batch(model, 0, [0, 0])
     learner, spy, states, _ = _run(monkeypatch, {"mu": 2}, [first, batch], s=1)
     behav, prox = _behaviour_by_row(spy, 2)
-    ref, mag, nb = _reference(states, _model, {"input_ids": batch.input_ids}, batch.block_versions.tolist(),
+    ref, mag, nb = _reference(states, small_lm, {"input_ids": batch.input_ids}, batch.block_versions.tolist(),
                               spy.noise, learner.cfg)
     tol = _tolerance(mag, nb, model)
     assert bool(((behav - ref).abs() <= tol).all()), (behav - ref).abs().max()
@@ -210,7 +210,7 @@ DEL, INS, MASK = 105, 106, 2
 
 
 def _lev_model():
-    m = _model()
+    m = small_lm()
     m.config.delete_token_id, m.config.insert_token_id = DEL, INS
     return m
 
@@ -283,7 +283,7 @@ def test_learner_batch_checks_block_versions():
 
 
 def test_learner_refuses_bad_block_versions():
-    model = _model()
+    model = small_lm()
     learner = EBPOLearner(model, LearnerConfig(lr=0.01, n_draws=2, seed=0, max_staleness=1))
     learner.update(_batch(model, 0, [0, 0]))
     learner.update(_batch(model, 1, [0, 1]))  # learner now at version 2, s = 1: versions 1..2 allowed

@@ -8,17 +8,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ebpo.model import LLaDA2MoeModelLM, tiny_config
 from ebpo.rl.sharding import balance_by_tokens, loss_weight, padded_lengths, token_microbatches
-
-
-
-def _model():
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LLaDA2MoeModelLM(tiny_config(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                            moe_intermediate_size=32, num_attention_heads=2,
-                                            num_key_value_heads=1, block_size=4, initializer_range=0.2))
+from tests.support.models import small_lm
 
 
 def _batch(model, B=8, seed=1):
@@ -42,8 +33,8 @@ def _worker(rank, world, port, fields, out_path):
     torch.set_num_threads(1)
     from ebpo.rl.learner import EBPOLearner, LearnerConfig
 
-    learner = EBPOLearner(_model(), LearnerConfig(num_workers=world, **fields))
-    batch = _batch(learner.get_model() if fields.get("backend") != "deepspeed" else _model())
+    learner = EBPOLearner(small_lm(), LearnerConfig(num_workers=world, **fields))
+    batch = _batch(learner.get_model() if fields.get("backend") != "deepspeed" else small_lm())
     adam = _track_adam_sensitivity(learner)
     metrics = [learner.update(batch) for _ in range(2)]
     state = {k: v.float() for k, v in learner.state_dict_for_sync().items()}
@@ -183,7 +174,7 @@ def test_two_ranks_equal_one_rank_deepspeed(tmp_path, stage):
 def test_bf16_first_step_ratio_is_exactly_one_and_finite():
     from ebpo.rl.learner import EBPOLearner, LearnerConfig
 
-    model = _model()
+    model = small_lm()
     learner = EBPOLearner(model, LearnerConfig(dtype="bf16", lr=1e-12, n_draws=2, mu=2, minibatch_size=4, seed=0))
     try:
         m = learner.update(_batch(model))
@@ -203,7 +194,7 @@ def test_gradient_checkpointing_gives_the_same_update():
 
     states = []
     for ckpt in (False, True):
-        model = _model()
+        model = small_lm()
         learner = EBPOLearner(model, LearnerConfig(gradient_checkpointing=ckpt, **BASE))
         assert getattr(model, "is_gradient_checkpointing", False) == ckpt
         m = learner.update(_batch(model))

@@ -6,8 +6,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from test_async_trainer import LEARNER, assert_same_steps, data, make_cfg, read_metrics, train  # noqa: E402,F401
-from test_trainer import ray_local  # noqa: E402,F401
+from tests.support.async_runs import LEARNER, assert_same_steps, data, make_cfg, read_metrics, train  # noqa: E402,F401
+from tests.support.ray_runs import ray_local  # noqa: E402,F401
 
 PARTIAL = ("trainer.partial_rollouts=true", "rollout.prompts_per_step=3",
            "rollout.decode={max_new_tokens: 32, temperature: 1.0, max_batch: 6}")

@@ -8,7 +8,7 @@ from ebpo.infra.config import load_config
 from ebpo.rl.config import RLConfig
 
 # The module-scoped local Ray of the RL tests.
-from test_trainer import ray, ray_local  # noqa: E402,F401
+from tests.support.ray_runs import ray, ray_local  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[2]
 

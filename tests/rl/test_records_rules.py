@@ -66,10 +66,10 @@ def test_weight_versions_outside_current_minus_s_to_current_are_refused():
 
 def test_the_learner_refuses_a_sample_newer_than_its_weights():
     from ebpo.rl.learner import EBPOLearner, LearnerConfig
-    from test_async_offpolicy import _batch
-    from test_learner_group import _model
+    from tests.rl.test_async_offpolicy import _batch
+    from tests.support.models import small_lm
 
-    model = _model()
+    model = small_lm()
     learner = EBPOLearner(model, LearnerConfig(lr=0.01, n_draws=2, seed=0, max_staleness=2))
     learner.update(_batch(model, 0, [0, 0]))  # the learner is at version 1 now
     for versions in ([1, 2], [2, 2], [0, 5]):

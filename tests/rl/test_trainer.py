@@ -1,14 +1,11 @@
 """End-to-end RL through real Ray actors on the tiny model (random init: fast and independent of training)."""
-import json
 import math
-from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from ebpo.infra.config import load_config  # noqa: E402
-from ebpo.rl.config import RLConfig  # noqa: E402
+from tests.support.ray_runs import data, make_cfg, ray_local, read_metrics, train  # noqa: E402,F401
 
 DESIGN_METRICS = [
     "reward/mean", "reward/std", "reward/math/mean", "reward/timeouts", "reward/errors", "frac_zero_std_groups",
@@ -20,50 +17,6 @@ DESIGN_METRICS = [
     "timing_s/rollout", "timing_s/reward", "timing_s/old_logprob", "timing_s/update", "timing_s/sync", "timing_s/step",
     "perf/rollout_tokens_per_s", "perf/train_tokens_per_s",
 ]
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture
-def data(tmp_path):
-    rows = [{"prompt": f"What is {a}+{b}?", "answer": str(a + b), "task": "math"} for a in range(3) for b in range(4)]
-    train = tmp_path / "train.jsonl"
-    train.write_text("\n".join(json.dumps(r) for r in rows))
-    held = tmp_path / "eval.jsonl"
-    held.write_text("\n".join(json.dumps(r) for r in rows[:4]))
-    return train, held
-
-
-def make_cfg(tmp_path, data, run_dir, *extra):
-    train, held = data
-    overrides = [
-        "model=preset:tiny@0", f"data.train={train}", f"data.eval={held}", f"trainer.run_dir={run_dir}",
-        "rollout.prompts_per_step=2", "rollout.group_size=3", "rollout.decode={max_new_tokens: 16, temperature: 1.0}",
-        "rollout.eval_decode={max_new_tokens: 8}", "trainer.tracking=wandb", "trainer.progress=false",
-        "trainer.plots=true", "learner={n_draws: 2, mu: 1, lr: 0.001}", "reward.num_workers=1",
-        "reward.timeout_s=5", *extra,
-    ]
-    return load_config(RLConfig, None, overrides)
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def train(cfg):
-    from ebpo.rl.trainer import make_loop
-
-    trainer = make_loop(cfg)
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.close()
-    return trainer, history
 
 
 def test_two_steps_log_every_design_metric_and_checkpoint(ray_local, tmp_path, data, monkeypatch):

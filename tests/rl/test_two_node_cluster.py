@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from test_learner_group_ray import _assert_same, _steps, rank_1_killed_at_update
-from test_trainer import data, make_cfg, ray, train  # noqa: E402,F401
+from tests.support.ray_runs import (assert_same_learner_step, data, learner_steps, make_cfg, ray,  # noqa: F401
+                                    rank_1_killed_at_update, train)
 
 
 @pytest.fixture
@@ -65,14 +65,14 @@ def test_rl_on_two_nodes_spreads_trains_resumes_and_survives_a_killed_rank(two_n
     assert len(nodes) == 2
     assert placed["rollout"] == nodes and placed["learner"] == nodes  # one of each on each node
 
-    full = _steps(tmp_path / "full")
+    full = learner_steps(tmp_path / "full")
     assert sorted(full) == [1, 2, 3]
     staged = tmp_path / "staged"
     train(make_cfg(tmp_path, data, staged, *common, "trainer.stop_after=2", "trainer.save_every=1"))
     train(make_cfg(tmp_path, data, staged, *common, f"trainer.resume={staged}"))
-    _assert_same(full[3], _steps(staged)[3])
+    assert_same_learner_step(full[3], learner_steps(staged)[3])
 
     with rank_1_killed_at_update(3):
         trainer, history = train(make_cfg(tmp_path, data, tmp_path / "killed", *common, "trainer.save_every=1"))
     assert [h["step"] for h in history] == [1, 2, 3] and history[-1]["faults/restarts"] == 1.0
-    _assert_same(full[3], _steps(tmp_path / "killed")[3])
+    assert_same_learner_step(full[3], learner_steps(tmp_path / "killed")[3])

@@ -16,7 +16,7 @@ from rollout.weight_sync import (WeightBroadcastGroup, pack_bucket, plan_buckets
                               state_dict_digest, unpack_bucket)
 
 # The end-to-end helpers and fixtures of the RL tests (a module-scoped local Ray, a tiny data set, the config).
-from test_trainer import data, make_cfg, ray, ray_local  # noqa: E402,F401
+from tests.support.ray_runs import data, make_cfg, ray, ray_local  # noqa: E402,F401
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.bool]
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ebpo.core.noise import NoisyBatch, make_noisy, substitution_ids
 from ebpo.core.objectives import ObjectiveConfig, mixture_loss, mtf_loss, noisy_half_hidden, shard_of, take_rows
-from test_objectives_rules_40 import ADDITIVE, MASK, K, _model
+from tests.sft.test_objectives_rules_40 import ADDITIVE, MASK, K, _model
 
 HIT = 8  # the token the biased head always predicts
 
