@@ -29,15 +29,26 @@ starts a new sequence from the rendered messages: the episode's earlier segments
 rewritten, in `trajectory["segments"]`.
 
 Decoding follows the trainer's rollout settings: a request's sampling fields (temperature, max_tokens, seed,
-mode, ...) are ignored, and `n` must be 1. A request past the episode's limits (`MultiTurnConfig`: turns,
-tokens, the wait for the next request) gets a 400 with code `episode_over`.
+mode, ...) are ignored, the `model` name is not checked, and `n` must be 1. A request past the episode's limits
+(`MultiTurnConfig`: turns, tokens, the wait for the next request) gets a 400 with code `episode_over`.
+
+Bounded in time (T = `MultiTurnConfig.step_timeout_s`). The agent must send its first request within T of the
+episode's start, and each next one within T of the previous answer (the clock stops while a request decodes).
+Past that the episode is over: its sequence ends with stop `env_timeout` (the limit's; the agent is not counted
+as failed), its slot is free, and a later request gets `episode_over`. An agent that still has not returned T
+after that is cancelled: stop `agent_timeout`, failed, reward 0 (`agent/stop/agent_timeout`,
+`agent/failed_count`). A hung agent so costs at most 2 T of wall time and T of an engine row; `run` returns.
+
+Tool calls. Every `<tool_call>` the model writes in a turn is recorded in the turn's `tool_calls` (what
+`agent/tool_calls`, `agent/tool_errors` and the trajectories table count), checked against the request's
+`tools` (`render.tool_call_records`); what a tool returns when the harness runs it is not seen here.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import copy
-import queue
+import threading
 import time
 
 from rollout.multiturn import MultiTurnConfig, trajectory_of
@@ -45,10 +56,10 @@ from rollout.trajectory import Trajectory
 
 from .app import create_app
 from .driver import EngineDriver
-from .render import assistant_message, extension_ids, prompt_ids, same_assistant
+from .render import assistant_message, extension_ids, prompt_ids, same_assistant, tool_call_records
 from .schema import ChatRequest, RequestError
 
-END, REWRITE = "end", "rewrite"
+END, REWRITE, TIMEOUT = "end", "rewrite", "timeout"  # why a segment's sequence is ended by the gateway
 
 
 class EpisodeOver(Exception):
@@ -57,38 +68,94 @@ class EpisodeOver(Exception):
 
 class Episode:
     """One agent episode. To the engine it is the environment of its current segment's sequence: `step(turn)`
-    answers the request that waits for the turn, then blocks until the agent's next request (an extension:
-    its rendered ids become the observation), the end of the agent function, or a rewrite (both end the
-    sequence)."""
+    answers the request that waits for the turn, then waits until the agent's next request is handed over
+    (`offer`: an extension, whose rendered ids become the observation) or the segment is ended (`end`: the
+    agent returned, rewrote its history, or let the time pass). A request can only be handed to a waiting
+    step, under the same lock the step stops waiting under: one that comes too late is refused, never queued
+    where nobody reads it.
+
+    The agent's clock (event loop): `in_flight` requests being answered, `idle_since` the end of the last
+    one (or the start), `expired` once T passed without a request (module docstring)."""
 
     def __init__(self, eid: str, row: dict, generator, wait_s: float):
         self.id, self.row, self.generator, self.wait_s = eid, row, generator, wait_s
         self.history: list[dict] | None = None  # the messages so far, the last assistant reply included
-        self.inbox: queue.Queue = queue.Queue()
         self.reply: concurrent.futures.Future | None = None
         self.seq = None
-        self.engine = None
+        self.driver = None
         self.segment: concurrent.futures.Future | None = None  # the current sequence's driver future
         self.finished: list = []  # (Sequence, why it ended) of the segments so far
         self.lock = asyncio.Lock()
         self.turns_answered = 0
+        self.in_flight, self.idle_since = 0, time.monotonic()
+        self.expired, self.expired_at = False, 0.0
+        # guarded by `cv`, shared with the step thread: the current segment's state
+        self.cv = threading.Condition()
+        self.waiting = False  # a step waits for the agent's next request
+        self.next = None  # (observation ids, reply) handed to the waiting step
+        self.ending = None  # END / REWRITE / TIMEOUT: the segment ends at its next (or its waiting) step
+        self.ended_by = None  # what the segment's last step returned on
+        self.tools = None  # the tools of the request the current turn answers
 
-    def bind(self, seq, engine) -> None:  # driver thread: the engine holds the sequence
-        self.seq, self.engine = seq, engine
+    def bind(self, seq, driver) -> None:  # driver thread: the engine holds the sequence
+        self.seq, self.driver = seq, driver
+
+    def start_segment(self, reply, tools) -> None:
+        with self.cv:
+            self.reply, self.seq, self.tools = reply, None, tools
+            self.waiting, self.next, self.ending, self.ended_by = False, None, None, None
 
     def step(self, text: str):
-        """The engine's env.step (a step thread): answer the waiting request, wait for what comes next."""
+        """The engine's env.step (a step thread): answer the waiting request, wait for what comes next. The
+        wait's own bound (2 T + 5 s) is a backstop: the agent's clock ends it at T (`expire`)."""
         turn = self.seq.turns[-1]
-        ids = self.engine.slots.canvas[self.seq.slot, turn.start:turn.end].tolist()  # the slot is frozen: WAITING
-        self.reply.set_result((text, ids, turn.finished_by))
-        try:
-            kind, obs_ids, reply = self.inbox.get(timeout=self.wait_s)
-        except queue.Empty:
-            kind, obs_ids, reply = END, None, None
-        if kind != "extend":
-            return None, 0.0, True, {"ended_by": kind}
-        self.reply = reply
-        return self.engine.tokenizer.decode(obs_ids), 0.0, False, {"observation_ids": obs_ids}
+        ids = self.driver.engine.runner.read(self.seq, turn.start, turn.end)  # the slot is frozen: WAITING
+        info = {"tool_calls": tool_call_records(text, self.tools)}
+        deadline = time.monotonic() + 2 * self.wait_s + 5.0
+        with self.cv:
+            self.reply.set_result((text, ids, turn.finished_by))
+            self.waiting = True
+            while self.next is None and self.ending is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.ending = TIMEOUT
+                    break
+                self.cv.wait(left)
+            nxt, self.next, self.waiting = self.next, None, False
+            if nxt is None:
+                self.ended_by = self.ending
+                return None, 0.0, True, {**info, "ended_by": self.ending}
+        obs_ids, self.reply = nxt
+        return self.driver.tokenizer.decode(obs_ids), 0.0, False, {**info, "observation_ids": obs_ids}
+
+    def offer(self, obs_ids: list[int], reply, tools) -> bool:
+        """Hand the waiting step the agent's next request; False when no step waits (the segment ended or is
+        ending: the request comes too late)."""
+        with self.cv:
+            if not self.waiting or self.ending is not None or self.next is not None:
+                return False
+            self.next, self.tools = (obs_ids, reply), tools
+            self.cv.notify_all()
+            return True
+
+    def end(self, why: str) -> None:
+        """End the current segment: at once if its step waits, else at its next step."""
+        with self.cv:
+            if self.ending is None:
+                self.ending = why
+            self.cv.notify_all()
+
+    def expire(self) -> None:
+        """The agent let T pass without a request (event loop): the episode is over."""
+        self.expired, self.expired_at = True, time.monotonic()
+        self.end(TIMEOUT)
+
+    def over_because(self) -> str:
+        if self.expired:
+            return f"no request came within step_timeout_s ({self.wait_s:g} s)"
+        if self.segment is not None and self.segment.done() and self.segment.exception() is None:
+            return self.segment.result().stop or "done"
+        return "its sequence is ending"
 
 
 def asgi_http_client(app):
@@ -123,14 +190,19 @@ class AgentGateway:
         mt.validate()
         # every episode waiting on its agent holds a step thread: no cap below the number of episodes
         self.mt = replace(mt, max_workers=max(mt.max_workers, 4096))
+        # the agent's clock ends a wait at step_timeout_s (`Episode.expire`); the engine's own step timeout,
+        # which would fail the trajectory, is only a backstop behind it
+        engine_mt = replace(self.mt, step_timeout_s=3 * mt.step_timeout_s + 10.0)
         self.model, self.tokenizer, self.config, self.name = model, tokenizer, config, name
-        # requests are rendered on the event loop while the engine and step threads decode with `tokenizer`: a
-        # fast tokenizer's encode takes its Rust object mutably ("Already borrowed" under concurrent use)
+        # requests are rendered (in `render_pool`'s one thread, off the event loop) while the engine and step
+        # threads decode with `tokenizer`: a fast tokenizer's encode takes its Rust object mutably ("Already
+        # borrowed" under concurrent use), so rendering has its own copy
         self.render_tokenizer = copy.deepcopy(tokenizer)
+        self.render_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ebpo-gateway-render")
         self.block_size = config.block_size or model.config.block_size
         self.eos_id = int(tokenizer.eos_token_id)
         max_len = round_up(self.mt.max_total_tokens + self.block_size, self.block_size)
-        self.driver = EngineDriver(model, tokenizer, max_batch=max_batch or 64, max_len=max_len, mt=self.mt,
+        self.driver = EngineDriver(model, tokenizer, max_batch=max_batch or 64, max_len=max_len, mt=engine_mt,
                                    engine_config=config).start()
         self.app = create_app(SimpleNamespace(name=name, default=config, max_tokens_limit=1 << 30),
                               complete=self._complete)
@@ -139,6 +211,7 @@ class AgentGateway:
 
     def close(self) -> None:
         self.driver.close()
+        self.render_pool.shutdown(wait=False)
 
     # ---- running episodes
     def run(self, agent, rows: list[dict], seeds: list[int] | None = None) -> list[dict]:
@@ -147,7 +220,11 @@ class AgentGateway:
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"AgentGateway.run: one seed per row ({len(rows)}), got {len(seeds)}")
         self._runs += 1
-        return asyncio.run(self._run_all(agent, rows, seeds))
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(self._run_all(agent, rows, seeds))
+        finally:
+            _close_loop(loop)
 
     async def _run_all(self, agent, rows, seeds) -> list[dict]:
         async with asgi_http_client(self.app) as http:
@@ -165,22 +242,49 @@ class AgentGateway:
         client = openai.AsyncOpenAI(base_url=f"http://gateway/episodes/{eid}/v1", api_key="gateway",
                                     http_client=http, max_retries=0)
         t0 = time.monotonic()
+        task = asyncio.ensure_future(agent(client, dict(row)))
+        hung = await self._watch(ep, task)
         result, error = None, None
-        try:
-            result = await agent(client, dict(row))
-        except Exception as e:  # noqa: BLE001 - the agent's failure belongs to its episode
-            error = e
+        if not hung:
+            try:
+                result = task.result()
+            except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - the agent's failure is its episode's
+                error = e
         await self._end_segment(ep, END)
         del self.episodes[eid]
-        return episode_sample(ep, result, error, t0, self.block_size)
+        return episode_sample(ep, result, error, t0, self.block_size, hung=hung)
+
+    async def _watch(self, ep: Episode, task: asyncio.Future) -> bool:
+        """Wait for the agent function; expire its episode when it lets T pass without a request, cancel it
+        when T more pass (module docstring). True when it was cancelled (an agent that ignores the
+        cancellation is abandoned after a second)."""
+        T = self.mt.step_timeout_s
+        while not task.done():
+            now = time.monotonic()
+            due = None if ep.in_flight else (ep.expired_at if ep.expired else ep.idle_since) + T
+            if due is not None and now >= due:
+                if not ep.expired:
+                    ep.expire()
+                    continue
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)
+                return True
+            await asyncio.wait({task}, timeout=min(T, 1.0) if due is None else due - now)
+        return False
 
     async def _end_segment(self, ep: Episode, why: str) -> None:
-        """End the running segment (the step thread returns done) and wait until its sequence is finished."""
+        """End the running segment (its step returns done) and wait until its sequence is finished; record it
+        with why it ended (`rewritten`, `env_timeout` when the agent let T pass, or the engine's stop)."""
         if ep.segment is None:
             return
-        ep.inbox.put((why, None, None))
+        ep.end(why)
         seq = await asyncio.wrap_future(ep.segment)
-        ep.finished.append((seq, "rewritten" if why == REWRITE else seq.stop or "done"))
+        stop = seq.stop or "done"
+        if why == REWRITE:
+            stop = "rewritten"
+        elif stop == "done" and ep.ended_by == TIMEOUT:
+            stop = "env_timeout"
+        ep.finished.append((seq, stop))
         ep.segment = None
 
     # ---- one request
@@ -191,51 +295,65 @@ class AgentGateway:
                                "unknown_episode", status=404)
         if req.n != 1:
             raise RequestError("an agent episode samples one completion per request (n = 1)", "n")
+        ep.in_flight += 1  # the agent's clock stops while its request is answered
+        try:
+            return await self._answer(ep, req)
+        finally:
+            ep.in_flight -= 1
+            ep.idle_since = time.monotonic()
+
+    async def _answer(self, ep: Episode, req: ChatRequest) -> dict:
+        over = "the episode is over ({}); no more turns"
         async with ep.lock:
+            if ep.expired:
+                raise RequestError(over.format(ep.over_because()), "messages", "episode_over")
             reply: concurrent.futures.Future = concurrent.futures.Future()
+            tools = req.tools if req.tool_choice != "none" else None
             if ep.history is not None and ep.segment is not None and _extends(ep.history, req.messages):
-                if ep.segment.done():
-                    raise RequestError(f"the episode is over ({ep.segment.result().stop}); no more turns", "messages",
-                                       "episode_over")
-                try:
-                    ids = extension_ids(self.render_tokenizer, req.messages[len(ep.history):], self.mt.observation_template)
-                except ValueError as e:
-                    raise RequestError(str(e), "messages") from None
-                ep.inbox.put(("extend", ids, reply))
+                ids = await self._render(extension_ids, self.render_tokenizer, req.messages[len(ep.history):],
+                                         self.mt.observation_template)
+                if not ep.offer(ids, reply, tools):
+                    raise RequestError(over.format(ep.over_because()), "messages", "episode_over")
             else:
                 await self._end_segment(ep, REWRITE)
-                self._start_segment(ep, req, reply)
+                ids = await self._render(prompt_ids, self.render_tokenizer, req.messages, tools, self.block_size,
+                                         self.eos_id, self.mt.observation_template)
+                self._start_segment(ep, ids, reply, tools)
             try:
                 text, ids, finished_by = await asyncio.wrap_future(reply)
             except EpisodeOver as e:
-                raise RequestError(f"the episode is over ({e}); no more turns", "messages", "episode_over") from None
+                raise RequestError(over.format(e), "messages", "episode_over") from None
+            except asyncio.CancelledError:  # the agent gave up waiting: the turn it asked for ends the segment
+                ep.end(END)
+                raise
             message, has_calls = assistant_message(text, [f"call_{ep.id}_{ep.turns_answered}_{k}"
                                                           for k in range(text.count("<tool_call>"))])
             ep.turns_answered += 1
             ep.history = list(req.messages) + [message]
         finish = "tool_calls" if has_calls else ("length" if finished_by == "budget" else "stop")
+        start = ep.seq.start if ep.seq is not None else 0
         return {"id": f"chatcmpl-{ep.id}-{ep.turns_answered}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.name, "choices": [{"index": 0, "message": message, "finish_reason": finish,
                                                  "logprobs": None, "token_ids": ids}],
-                "usage": {"prompt_tokens": ep.seq.start if ep.seq is not None else 0, "completion_tokens": len(ids),
-                          "total_tokens": (ep.seq.start if ep.seq is not None else 0) + len(ids),
+                "usage": {"prompt_tokens": start, "completion_tokens": len(ids), "total_tokens": start + len(ids),
                           "forwards": ep.seq.turns[-1].forwards if ep.seq is not None and ep.seq.turns else 0}}
 
-    def _start_segment(self, ep: Episode, req: ChatRequest, reply) -> None:
+    async def _render(self, fn, *args) -> list[int]:
+        """`fn(*args)` (a render function) in the gateway's one tokenising thread; RequestError on ValueError."""
         try:
-            ids = prompt_ids(self.render_tokenizer, req.messages, req.tools if req.tool_choice != "none" else None,
-                             self.block_size, self.eos_id, self.mt.observation_template)
+            return await asyncio.get_running_loop().run_in_executor(self.render_pool, fn, *args)
         except ValueError as e:
             raise RequestError(str(e), "messages") from None
-        ep.reply, ep.seq, ep.inbox = reply, None, queue.Queue()  # a fresh inbox: nothing stale of an ended segment
+
+    def _start_segment(self, ep: Episode, ids: list[int], reply, tools) -> None:
+        ep.start_segment(reply, tools)
         ep.segment = self.driver.submit(ids, self.config, ep.generator, env=ep, on_start=ep.bind)
 
         def over(fut):  # the sequence ended (a limit, or a failed step) while a request waited for a turn
-            if not reply.done():
-                stop = fut.result().stop if fut.exception() is None else repr(fut.exception())
-                reply.set_exception(EpisodeOver(stop))
-            if ep.reply is not None and ep.reply is not reply and not ep.reply.done():
-                ep.reply.set_exception(EpisodeOver(fut.result().stop if fut.exception() is None else "failed"))
+            stop = fut.result().stop if fut.exception() is None else f"failed: {fut.exception()!r}"
+            for waiting in {reply, ep.reply}:
+                if waiting is not None and not waiting.done():
+                    waiting.set_exception(EpisodeOver(stop))
 
         ep.segment.add_done_callback(over)
 
@@ -253,22 +371,27 @@ def _extends(history: list[dict], messages: list[dict]) -> bool:
     return messages[n - 1]["role"] == "assistant" and same_assistant(messages[n - 1], history[-1])
 
 
-def episode_sample(ep: Episode, result, error: BaseException | None, t0: float, block_size: int) -> dict:
+def episode_sample(ep: Episode, result, error: BaseException | None, t0: float, block_size: int,
+                   hung: bool = False) -> dict:
     """The rollout sample of a finished episode: its last segment as the trained trajectory, the agent's reward
     as `env_reward`, its record as `trajectory["agent"]`, the earlier (rewritten) segments in
-    `trajectory["segments"]`."""
+    `trajectory["segments"]`. hung: the agent function was cancelled at its deadline (stop `agent_timeout`,
+    failed); an error after a limit ended the episode (`episode_over` let raise) is no failure."""
+    timeout = f"the agent function did not return within 2 x step_timeout_s ({2 * ep.wait_s:g} s) of its last answer"
     if not ep.finished:
-        why = f"{type(error).__name__}: {str(error)[:200]}" if error is not None else "the agent made no request"
-        traj = Trajectory(prompt_ids=[], ids=[], generated=[], segment=[], turns=[], stop="agent_error", failed=True,
-                          error=why)
+        why = timeout if hung else (f"{type(error).__name__}: {str(error)[:200]}" if error is not None
+                                    else "the agent made no request")
+        traj = Trajectory(prompt_ids=[], ids=[], generated=[], segment=[], turns=[], failed=True, error=why,
+                          stop="agent_timeout" if hung or ep.expired else "agent_error")
         return _sample(traj, [], {"error": why}, 0)
     seq, why = ep.finished[-1]
     traj = trajectory_of(seq, t0, block_size)
+    traj.stop = why
     record = dict(result) if isinstance(result, dict) else {"reward": result}
-    limit = traj.stop not in ("done", "rewritten")  # the engine ended it: the agent's refusal is no failure
-    if error is not None and not limit:
-        traj.failed, traj.stop = True, "agent_error"
-        traj.error = f"{type(error).__name__}: {str(error)[:200]}"
+    limit = traj.stop not in ("done", "rewritten")  # the engine or the clock ended it: a refusal is no failure
+    if hung or (error is not None and not limit):
+        traj.failed, traj.stop = True, "agent_timeout" if hung else "agent_error"
+        traj.error = timeout if hung else f"{type(error).__name__}: {str(error)[:200]}"
         record = {"error": traj.error}
     reward = record.get("reward")
     traj.env_reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else 0.0
@@ -289,3 +412,15 @@ def _sample(traj: Trajectory, earlier: list[dict], record: dict, version: int) -
             "tpf": traj.num_generated / max(traj.num_forwards, 1), "num_edits": traj.num_edits,
             "finished_by_eos": bool(last and last.finished_by == "eos"), "weights_version": version,
             "trajectory": d, "lev_drafts": [[off, list(dr)] for off, dr in traj.lev_drafts]}
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Close a batch's event loop without waiting on an abandoned agent (one that ignored its cancellation):
+    what is left gets one more cancellation and a second to finish (`asyncio.run` would wait forever)."""
+    left = asyncio.all_tasks(loop)
+    for t in left:
+        t.cancel()
+    if left:
+        loop.run_until_complete(asyncio.wait(left, timeout=1.0))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()

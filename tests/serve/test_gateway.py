@@ -78,7 +78,15 @@ def test_the_agent_path_decodes_the_native_environment_trajectories(policy, rows
         assert (t["prompt_ids"], t["ids"], t["generated"], t["segment"]) == (n.prompt_ids, n.ids, n.generated, n.segment)
         assert (t["stop"], t["env_reward"], len(t["turns"])) == (n.stop, n.env_reward, len(n.turns))
         assert [x["text"] for x in t["turns"]] == [x.text for x in n.turns]
+        # the tool calls the gateway parsed out of each turn are the ones the environment ran (the gateway
+        # does not run tools: only what is wrong with a call itself can be an error there)
+        assert [[(c["name"], c["arguments"], c["invalid"]) for c in x["tool_calls"]] for x in t["turns"]] == \
+            [[(c["name"], c["arguments"], c["invalid"]) for c in x.tool_calls] for x in n.turns]
     assert {len(n.turns) for n in native} == {1, 2}, "calls and direct answers both occur"
+    from rollout.trajectory import Trajectory, summarize
+
+    counts = summarize([Trajectory.from_dict(a["trajectory"]) for a in agent])
+    assert counts["agent/tool_calls"] == summarize(native)["agent/tool_calls"] > 0
     assert 0 < sum(n.env_reward for n in native) < len(rows)
 
 
@@ -200,3 +208,186 @@ def test_limits_and_agent_failures_end_their_episode_only(policy, rows):
     assert b["trajectory"]["failed"] and b["trajectory"]["stop"] == "agent_error"
     assert "harness bug" in b["trajectory"]["error"] and b["trajectory"]["env_reward"] == 0.0
     assert c["trajectory"]["stop"] == "max_turns" and not c["trajectory"]["failed"] and len(c["trajectory"]["turns"]) == 2
+
+
+# ---- time: an agent costs at most its timeouts; counts of what it did
+
+def _run_bounded(gw, agent, rows, seeds=None, limit_s=60.0):
+    """gw.run in a daemon thread: (samples, seconds), or a failed test when it does not return in `limit_s`."""
+    import threading
+    import time
+
+    out = {}
+
+    def go():
+        t0 = time.monotonic()
+        out["samples"] = gw.run(agent, rows, seeds)
+        out["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(limit_s)
+    assert not t.is_alive(), f"gateway.run did not return within {limit_s} s"
+    return out["samples"], out["s"]
+
+
+def test_a_hung_agent_costs_its_timeout_and_the_batch_goes_on(policy, rows):
+    """step_timeout_s = T = 1 s. An agent that awaits forever before its first request, or after it, is
+    cancelled 2 T after the start / its last answer (T for its next request, T more to return): stop
+    `agent_timeout`, failed, counted; the other episodes of the batch are untouched and `run` returns."""
+    import asyncio
+
+    from rollout.trajectory import Trajectory, summarize
+
+    async def never_asks(client, row):
+        await asyncio.Event().wait()
+
+    async def hangs_after_one(client, row):
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+        await asyncio.Event().wait()
+
+    async def deaf(client, row):  # ignores its cancellation: abandoned, the batch goes on all the same
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass
+
+    async def quick(client, row):
+        r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+        return {"reward": 1.0, "text": r.choices[0].message.content}
+
+    agents = [never_asks, hangs_after_one, deaf, quick]
+
+    async def mixed(client, row):
+        return await agents[[x["prompt"] for x in rows[:4]].index(row["prompt"])](client, row)
+
+    gw = _gateway(policy, temperature=0.0, step_timeout_s=1.0)
+    try:
+        samples, took = _run_bounded(gw, mixed, rows[:4])
+    finally:
+        gw.close()
+    trajs = [s["trajectory"] for s in samples]
+    for t in trajs[:3]:
+        assert t["stop"] == "agent_timeout" and t["failed"] and t["env_reward"] == 0.0, t["stop"]
+    assert trajs[0]["turns"] == [] and len(trajs[1]["turns"]) == 1 and len(trajs[2]["turns"]) == 1
+    assert trajs[3]["stop"] == "done" and not trajs[3]["failed"] and trajs[3]["env_reward"] == 1.0
+    counts = summarize([Trajectory.from_dict(t) for t in trajs])
+    assert counts["agent/stop/agent_timeout"] == 3 and counts["agent/failed_count"] == 3
+    # 2 T after the last answer, plus the decoding of one turn and the abandoned agent's second
+    assert took < 2 * 1.0 + 10.0, took
+
+
+def test_a_slow_agent_ends_by_the_limit_and_is_not_counted_as_failed(policy, rows):
+    """An agent whose next request comes 1.5 T after its answer: the episode ended at T with the limit's stop
+    (`env_timeout`), the late request gets a 400 `episode_over`, and the episode is not failed whether the
+    agent lets that error raise or returns a reward."""
+    import asyncio
+
+    async def slow(client, row, careful):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        r = await client.chat.completions.create(model="policy", messages=messages)
+        await asyncio.sleep(1.5)
+        messages += [r.choices[0].message.model_dump(), {"role": "user", "content": "and now?"}]
+        try:
+            await client.chat.completions.create(model="policy", messages=messages)
+        except openai.BadRequestError as e:
+            if careful:
+                return {"reward": 0.5, "code": e.body["code"]}
+            raise
+        return {"reward": 1.0, "code": None}
+
+    async def mixed(client, row):
+        return await slow(client, row, careful=row["prompt"] == rows[0]["prompt"])
+
+    gw = _gateway(policy, temperature=0.0, step_timeout_s=1.0)
+    try:
+        samples, _ = _run_bounded(gw, mixed, rows[:2])
+    finally:
+        gw.close()
+    careful, careless = (s["trajectory"] for s in samples)
+    for t in (careful, careless):
+        assert t["stop"] == "env_timeout" and not t["failed"] and len(t["turns"]) == 1, (t["stop"], t["error"])
+    assert careful["agent"] == {"reward": 0.5, "code": "episode_over"} and careful["env_reward"] == 0.5
+    assert careless["env_reward"] == 0.0
+
+
+def test_a_request_after_the_wait_ran_out_gets_episode_over_not_a_hang(policy, rows):
+    """The agent's second request comes just after its wait ran out (T = 1 s), while the engine thread is held
+    inside another episode's forward, so that its sequence cannot have finished yet: a clean 400
+    `episode_over` at once, not a request queued where nobody reads it."""
+    import asyncio
+    import threading
+    import time
+
+    model, _ = policy
+    free = threading.Event()
+    free.set()
+
+    def hold(*_):  # a forward pre-hook: returns None, or its value would replace the forward's inputs
+        free.wait(30)
+
+    hook = model.register_forward_pre_hook(hold)
+    seen = {}
+
+    async def late(client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        r = await client.chat.completions.create(model="policy", messages=messages)
+        free.clear()  # the next forward (the busy episode's) holds the engine thread
+        await asyncio.sleep(1.0 + 0.2)
+        messages += [r.choices[0].message.model_dump(), {"role": "user", "content": "and now?"}]
+        asyncio.get_running_loop().call_later(0.5, free.set)
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(client.chat.completions.create(model="policy", messages=messages), 20)
+            seen["late"] = "answered"
+        except openai.BadRequestError as e:
+            seen["late"] = e.body["code"]
+        except asyncio.TimeoutError:
+            seen["late"] = "hung"
+        seen["late_s"] = time.monotonic() - t0
+        seen["done"] = True
+        free.set()
+        return 0.0
+
+    async def busy(client, row):  # keeps the engine stepping: a fresh segment per request
+        while not seen.get("done"):
+            await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+        return 0.0
+
+    async def mixed(client, row):
+        return await (late if row["prompt"] == rows[0]["prompt"] else busy)(client, row)
+
+    gw = _gateway(policy, temperature=0.0, step_timeout_s=1.0)
+    try:
+        _run_bounded(gw, mixed, rows[:2], limit_s=120)
+    finally:
+        free.set()
+        gw.close()
+        hook.remove()
+    assert seen["late"] == "episode_over" and seen["late_s"] < 5.0, seen
+
+
+def test_any_model_name_is_the_policy_and_an_agent_without_requests_fails(policy, rows):
+    """docs/serving.md: the gateway answers every request with the policy whatever `model` it names; an agent
+    that returns without a request has nothing to train on: failed, `agent_error`, reward 0, its reward ignored."""
+    async def other_name(client, row):
+        r = await client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": row["prompt"]}])
+        return {"reward": 1.0, "model": r.model}
+
+    async def no_request(client, row):
+        return 1.0
+
+    async def mixed(client, row):
+        return await (other_name if row["prompt"] == rows[0]["prompt"] else no_request)(client, row)
+
+    gw = _gateway(policy, temperature=0.0)
+    try:
+        named, silent = (s["trajectory"] for s in gw.run(mixed, rows[:2]))
+    finally:
+        gw.close()
+    assert named["stop"] == "done" and not named["failed"] and len(named["turns"]) == 1
+    assert named["agent"] == {"reward": 1.0, "model": "policy"} and named["env_reward"] == 1.0
+    assert silent["failed"] and silent["stop"] == "agent_error" and silent["env_reward"] == 0.0
+    assert silent["error"] == "the agent made no request" and silent["turns"] == []
