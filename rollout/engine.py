@@ -29,7 +29,7 @@ import torch
 from ebpo.core.turns import round_up
 
 from .lifecycle import after_mbe, block_ended, release, settings_for, start_block
-from .runner import make_runner
+from .runners import make_runner
 from .sequence import FINISHED, QUEUED, WAITING, Sequence
 
 
@@ -206,6 +206,7 @@ class Engine:
             if s.status == FINISHED:
                 continue
             s.canvas, s.trace = self.runner.copy_out(s, self.T)
+            self.runner.free(s)
             self.active.remove(s)
             self.free.append(s.slot)
             s.slot = None

@@ -18,6 +18,7 @@ def start_block(engine, s, block: int) -> None:
 def release(engine, s, end: int) -> None:
     """Copy the sequence's canvas [0, end) and trace out of its slot; free the slot for the next queued one."""
     s.canvas, s.trace = engine.runner.copy_out(s, end)
+    engine.runner.free(s)
     s.status = FINISHED
     engine.active.remove(s)
     engine.free.append(s.slot)

@@ -5,6 +5,7 @@ runs one forward over a plan of rows.
 runner does the rest, behind these calls (the engine never asks which runner it has):
 
     place(s) / load(s, canvas, trace)   a sequence enters its slot (a new prompt / an adopted sequence)
+    free(s)                             it left its slot (its keys/values go back)
     append(s, lo, ids)                  tokens after a turn (an observation) at a block boundary
     reset_block(s)                      a new active block: its counters restart
     read(s, lo, hi) / copy_out(s, end)  canvas tokens (host lists)
@@ -13,10 +14,12 @@ runner does the rest, behind these calls (the engine never asks which runner it 
     invalidate(s, from_block, to_block) keys/values of blocks an MBE pass changed are stale
     resume(s, from_block)               keys/values a turn's next forward cannot compute itself
 
-`EagerRunner` is the reference implementation: a prefix `BlockKVCache` (per-row lengths), the batched forward of
-`rollout.forward`, the decisions of `rollout.block_apply`, shared prompt prefixes (`rollout.prefix_share`).
+`EagerRunner` is the reference implementation: a prefix KV cache in block-sized pages (`PagedKVCache`), the
+batched forward of `rollout.forward`, the decisions of `rollout.block_apply`, shared prompt prefixes
+(`rollout.prefix_share`).
 `rollout.static_slots.CompiledRunner` runs block rows as one fixed-shape compiled step instead. A tensor- and
-expert-parallel runner (`ebpo.model.parallel`) or another backend plugs in here the same way.
+expert-parallel runner (`rollout.parallel_runner`) or another backend plugs in here the same way;
+`rollout.runners.make_runner` picks one when an engine is built.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ebpo.model import BlockKVCache
+from ebpo.model.paged_cache import PagedKVCache
 
 from .block_apply import SlotTensors, apply_block_steps, apply_mbe_pass
 from .forward import plan_rows, row_candidates, run_model
@@ -60,7 +63,9 @@ class EagerRunner:
                                  post_steps=torch.zeros(B, dtype=torch.long, device=dev),
                                  block_iters=torch.zeros(B, dtype=torch.long, device=dev))
         use_cache = cfg.use_cache if use_cache is None else use_cache
-        self.cache = BlockKVCache.for_model(model.config, B, T, dtype=param.dtype, device=dev) if use_cache else None
+        # pages of one block that rows reference: memory follows the live tokens, a shared prompt is held once
+        self.cache = (PagedKVCache.for_model(model.config, B, T, dtype=param.dtype, device=dev, page=K)
+                      if use_cache else None)
         self.share_prefix = share_prefix and self.cache is not None
         self.num_forwards = 0
         self.row_forwards = 0
@@ -106,6 +111,11 @@ class EagerRunner:
     def copy_out(self, s, end: int) -> tuple[list[int], list[int]]:
         """(canvas, trace) of `s`'s slot up to `end`, as host lists."""
         return self.slots.canvas[s.slot, :end].tolist(), self.slots.trace[s.slot, :end].tolist()
+
+    def free(self, s) -> None:
+        """`s` left its slot: its keys/values go back to the pool (pages another row reads stay)."""
+        if self.cache is not None:
+            self.cache.truncate([s.slot], [0])
 
     def waits_for_prefix(self, s) -> bool:
         return self.share_prefix and settle(s, self.cache, self.K)
@@ -160,21 +170,3 @@ class EagerRunner:
         """Per ready row, (tok, prob, eprob) of its target span (`rollout.forward.row_candidates`)."""
         return row_candidates(self.model, hidden, self.slots.canvas, slots, plan, [s.generator for s in ready],
                               cfgs, self.mask_id, levs)
-
-
-def make_runner(model, cfg, *, max_batch: int, canvas_len: int, K: int, mask_id: int, eos_ids: set[int],
-                model_lev_ids, share_prefix: bool = True):
-    """The runner an engine with `cfg` drives, chosen once: one rank's tensor- / expert-parallel runner when `model`
-    is a parallel model (`ebpo.model.parallel`), else the compiled step's (`cfg.compiled_step`) or the eager one."""
-    kw = dict(max_batch=max_batch, canvas_len=canvas_len, K=K, mask_id=mask_id, model_lev_ids=model_lev_ids)
-    from ebpo.model.parallel import ParallelLLaDA2MoeLM
-
-    if isinstance(model, ParallelLLaDA2MoeLM):
-        from .parallel_runner import ParallelRunner
-
-        return ParallelRunner(model, cfg, share_prefix=share_prefix, **kw)
-    if cfg.compiled_step:
-        from .static_slots import CompiledRunner
-
-        return CompiledRunner(model, cfg, eos_ids=eos_ids, **kw)
-    return EagerRunner(model, cfg, share_prefix=share_prefix, **kw)

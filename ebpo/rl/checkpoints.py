@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from ebpo.infra.checkpoint import latest_checkpoint, save_checkpoint
+from ebpo.rl.partial_collect import restore_partial
 from ebpo.rl.records import StepRecord
-
-if TYPE_CHECKING:  # the run is built by ebpo.rl.setup, which imports this module
-    from ebpo.rl.setup import RLRun
+from ebpo.rl.run_state import RLRun
 
 
-def save(run: "RLRun", step: int, sampler: dict, in_flight: Optional[list[StepRecord]] = None) -> Path:
+
+def save(run: RLRun, step: int, sampler: dict, in_flight: Optional[list[StepRecord]] = None) -> Path:
     """Checkpoint after `step`; `sampler`: the prompt sampler's state to resume from (after the in-flight
     steps' draws when there are any). Returns the checkpoint folder."""
     def write(folder: Path) -> None:
@@ -41,7 +41,7 @@ def save(run: "RLRun", step: int, sampler: dict, in_flight: Optional[list[StepRe
     return save_checkpoint(run.run_dir, step, extra_state=state, keep_last=run.cfg.trainer.keep_last, save_fn=write)
 
 
-def restore(run: "RLRun") -> Optional[str]:
+def restore(run: RLRun) -> Optional[str]:
     """Restore the latest checkpoint into the run: learner, sampler, weight version, events, in-flight
     records; returns the W&B run id to continue."""
     path = latest_checkpoint(run.run_dir)
@@ -58,8 +58,6 @@ def restore(run: "RLRun") -> Optional[str]:
     saved = path / "in_flight.pt"
     run.in_flight = torch.load(saved, weights_only=False) if saved.exists() else []
     if run.partial is not None:
-        from ebpo.rl.partial_collect import restore_partial
-
         partial = path / "partial.pt"
         restore_partial(run, torch.load(partial, weights_only=False) if partial.exists() else None)
     return state.get("wandb_run_id")

@@ -6,7 +6,7 @@ finished, and the unfinished ones carry over to the next step instead of being w
             the n-th group started goes to rollout worker n mod W (deterministic)
         every worker: continue its carried sequences under the weights held now, start its new groups, and
             decode until its share of prompts_per_step groups is complete (`RolloutWorker.generate_partial`)
-        score the returned groups -> StepRecord (`ebpo.rl.step.build_record`)
+        score the returned groups -> StepRecord (`ebpo.rl.step_record.build_record`)
 
 Each sample carries the weight version of every block it decoded (`block_versions`); the learner takes each
 block's behaviour term from its own version (docs/ebpo.md, "Block-exact behaviour terms"). Lag bound: a
@@ -24,6 +24,7 @@ from typing import Optional
 from ebpo.rl.actors import split_evenly
 from ebpo.rl.prompts import derive_seed, reward_input
 from ebpo.rl.records import RolloutSample, StepRecord
+from ebpo.rl.step_record import build_record, timed
 from ebpo.rl.weights import Weights
 
 
@@ -66,8 +67,6 @@ def train_version(run, weights: Optional[Weights]) -> int:
 
 def collect_partial(run, step: int, weights: Optional[Weights] = None) -> StepRecord:
     """Partial-rollout version of `ebpo.rl.step.collect` (module docstring)."""
-    from ebpo.rl.step import build_record, timed
-
     cfg, G, P = run.cfg, run.cfg.rollout.group_size, run.cfg.rollout.prompts_per_step
     ledger: PartialLedger = run.partial
     workers = run.cluster.rollout_workers

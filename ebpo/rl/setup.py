@@ -10,9 +10,7 @@ then start the actors. `start_run(cfg)` returns the `RLRun` both loops work on.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import ray
 from rewards import RewardWorker, as_spec
@@ -28,59 +26,12 @@ from ebpo.rl.checkpoints import restore
 from ebpo.rl.cluster import Cluster, EventLog
 from ebpo.rl.config import RLConfig, model_block_size, model_config_of
 from ebpo.rl.launch import ray_init_kwargs, resolve_run_dir
+from ebpo.rl.partial_collect import PartialLedger, collect_partial, restore_workers
 from ebpo.rl.prompts import PromptSampler, Prompts, reward_input
-from ebpo.rl.records import StepRecord
+from ebpo.rl.run_state import RLRun
 from ebpo.rl.weights import PolicyWeights
 
 log = logging.getLogger("ebpo")
-
-
-@dataclass
-class RLRun:
-    """What both RL loops share: the configuration, the data, the actors, the weight versions, tracking.
-
-    start_step: the last step done (0 for a new run, the checkpoint's step after a resume); in_flight:
-    records of steps the asynchronous loop had collected ahead when the checkpoint was written;
-    version_log: (step, learner version, each trained sample's weight version) per update."""
-    cfg: RLConfig
-    run_dir: Path
-    tokenizer: Any
-    prompts: Prompts
-    train_rows: list[dict]
-    eval_rows: list[dict]
-    sampler: PromptSampler
-    reward_specs: list[tuple]
-    reward_names: list[str]
-    judge_names: list[str]
-    events: EventLog
-    model_spec: str = ""
-    block_size: int = 0  # the learner's (= the sampler's) block size
-    cluster: Cluster = None
-    weights: PolicyWeights = None
-    tracker: Tracker = None
-    start_step: int = 0
-    resumed: bool = False
-    in_flight: list[StepRecord] = field(default_factory=list)
-    version_log: list[tuple[int, int, list[int]]] = field(default_factory=list)
-    partial: Any = None  # ebpo.rl.partial_collect.PartialLedger with trainer.partial_rollouts
-
-    @property
-    def eos_id(self) -> int:
-        return self.tokenizer.eos_token_id
-
-    @property
-    def learner(self):
-        """The learner group (rebuilt when a rank dies, so always read it here)."""
-        return self.cluster.learner
-
-    def close(self, plot) -> None:
-        """Plots (`plot(run_dir)`, or None), W&B finish, then the actors (the Ray instance stays)."""
-        try:
-            if plot is not None:
-                plot(self.run_dir)
-            self.tracker.finish()
-        finally:
-            self.cluster.stop()
 
 
 def check(cfg: RLConfig) -> RLRun:
@@ -179,10 +130,8 @@ def start_run(cfg: RLConfig) -> RLRun:
     run.cluster = Cluster(cfg, run.model_spec, run.reward_specs, run.events)
     run.cluster.start(run.weights.restart_weights)
     run.weights.attach(run.cluster.learner, run.cluster.rollout_workers)
-    if cfg.trainer.partial_rollouts:
-        from ebpo.rl.partial_collect import PartialLedger
-
-        run.partial = PartialLedger()
+    if cfg.trainer.partial_rollouts:  # the rollout path, chosen once
+        run.partial, run.collector = PartialLedger(), collect_partial
     run_id = None
     if cfg.trainer.resume:
         run_id = restore(run)
@@ -229,8 +178,6 @@ def rebuild_learner(run: RLRun, err: Exception) -> int:
     run.weights.reset()
     run.start_step, run.in_flight = 0, []
     if run.partial is not None:  # back to the start: nothing in flight anywhere
-        from ebpo.rl.partial_collect import PartialLedger, restore_workers
-
         run.partial = PartialLedger()
         restore_workers(run, None)
     return 0

@@ -12,31 +12,21 @@ here depends on the mode. Every seed derives from `trainer.seed` and the step nu
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rollout.edits import edit_counts, edit_metrics
-from rollout.trajectory import Trajectory, summarize, trajectory_text
+from rollout.trajectory import trajectory_text
 
-from ebpo.core.algos import compute_advantages
 from ebpo.infra.data import reference_ids
-from ebpo.rl.batch import filter_groups, first_groups, reward_metrics, rollout_metrics, zero_std_groups
+from ebpo.rl.batch import zero_std_groups
 from ebpo.rl.episodes import episode_rows
 from ebpo.rl.prompts import derive_seed, reward_input
 from ebpo.rl.records import RolloutSample, StepRecord, build_learner_batch
-from ebpo.rl.setup import RLRun
+from ebpo.rl.run_state import RLRun
+from ebpo.rl.step_record import agent_metrics, build_record, timed
 from ebpo.rl.weights import Weights
-
-
-@contextmanager
-def timed(times: dict[str, float], name: str) -> Iterator[None]:
-    """Adds the block's wall time (seconds) to times["timing_s/NAME"]."""
-    t0 = time.perf_counter()
-    yield
-    key = f"timing_s/{name}"
-    times[key] = times.get(key, 0.0) + time.perf_counter() - t0
 
 
 def generate(run: RLRun, prompt_ids: list[list[int]], seeds: list[int], decode: dict | None = None,
@@ -47,21 +37,12 @@ def generate(run: RLRun, prompt_ids: list[list[int]], seeds: list[int], decode: 
         return run.cluster.generate(prompt_ids, seeds, decode, rows if run.cfg.env.multi_turn else None)
 
 
-def agent_metrics(samples: list[RolloutSample], prefix: str = "") -> dict[str, float]:
-    """`agent/*` metrics of the multi-turn samples (`rollout.trajectory.summarize`: turns, tool calls, tool
-    errors and latency, share of environment tokens, stop reasons), `prefix` prepended; {} without any."""
-    trajs = [Trajectory.from_dict(s.trajectory) for s in samples if s.trajectory is not None]
-    return {prefix + k: float(v) for k, v in summarize(trajs).items()}
-
-
 def collect(run: RLRun, step: int, weights: Optional[Weights] = None) -> StepRecord:
     """Everything before the update: prompts, rollouts, rewards, dynamic-sampling rounds, advantages, the
     kept rows and their metrics. `weights`: the version that generates this step (None: whatever the
     rollout workers hold, the synchronous loop)."""
-    if run.cfg.trainer.partial_rollouts:
-        from ebpo.rl.partial_collect import collect_partial
-
-        return collect_partial(run, step, weights)
+    if run.collector is not None:  # partial rollouts (chosen once at start-up, ebpo.rl.setup)
+        return run.collector(run, step, weights)
     cfg, G = run.cfg, run.cfg.rollout.group_size
     times: dict[str, float] = {}
     P = cfg.rollout.prompts_per_step
@@ -85,34 +66,6 @@ def collect(run: RLRun, step: int, weights: Optional[Weights] = None) -> StepRec
         if not cfg.trainer.dynamic_sampling or int((~zero_std_groups(scores, group_ids)).sum()) >= P:
             break
     return build_record(run, step, rows, prompt_ids, samples, results, times)
-
-
-def build_record(run: RLRun, step: int, rows: list[dict], prompt_ids: list[list[int]], samples: list[RolloutSample],
-                 results: list[dict], times: dict[str, float]) -> StepRecord:
-    """The StepRecord of rollouts already scored: `samples` (and `prompt_ids`, `results`) are group by group,
-    `rollout.group_size` per row of `rows`; advantages, metrics and the kept rows are computed here."""
-    cfg, G, P = run.cfg, run.cfg.rollout.group_size, run.cfg.rollout.prompts_per_step
-    group_ids = torch.arange(len(rows)).repeat_interleave(G)
-    scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
-    advantages = compute_advantages(scores, group_ids, method=cfg.trainer.advantage,
-                                    std_normalize=cfg.trainer.advantage_std)
-    metrics = reward_metrics(scores, group_ids, {n: [r["rewards"].get(n) for r in results] for n in run.reward_names})
-    metrics["reward/timeouts"] = float(sum(bool(r.get("timeout")) for r in results))
-    metrics["reward/errors"] = float(sum(bool(r.get("error")) for r in results))
-    max_new = int(cfg.rollout.decode.get("max_new_tokens", 0) or 0) or max(len(s.token_ids) for s in samples)
-    if cfg.env.multi_turn:
-        max_new = cfg.env.turns.max_total_tokens
-    metrics.update(rollout_metrics(samples, max_new, times["timing_s/rollout"]))
-    metrics.update(agent_metrics(samples))
-
-    keep = torch.ones(len(samples), dtype=torch.bool)
-    if cfg.trainer.filter_zero_std:
-        keep = filter_groups(first_groups(~zero_std_groups(scores, group_ids), P), group_ids)
-    metrics["train/samples"] = float(keep.sum())
-    metrics["train/prompts_drawn"] = float(len(rows))
-    return StepRecord(step=step, rows=rows, prompt_ids=prompt_ids, samples=samples, scores=scores,
-                      group_ids=group_ids, advantages=advantages, keep=keep, metrics=metrics, times=times,
-                      sampler_after=run.sampler.state())
 
 
 def learn(run: RLRun, record: StepRecord) -> dict[str, float]:
