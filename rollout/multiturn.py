@@ -141,14 +141,11 @@ class TurnDriver:
     def sequences(self) -> list:
         return self.engine.sequences
 
-    def budget(self) -> int:
-        return min(self.engine.T, self.mt.max_total_tokens)
-
     def turn_end_block(self, start: int) -> int:
         """The block (exclusive) where a turn starting at `start` must end: its token budget, the trajectory's,
         the canvas."""
         K = self.engine.K
-        return min(round_up(start + self.mt.max_turn_tokens, K), round_up(self.budget(), K), self.engine.T) // K
+        return min(round_up(start + self.mt.max_turn_tokens, K), round_up(_budget(self), K), self.engine.T) // K
 
     def submit(self, prompt: list[int], generator=None, env=None):
         """Start one trajectory (its environment already reset); returns its engine `Sequence`."""
@@ -156,7 +153,7 @@ class TurnDriver:
         room = self.turn_end_block(P) * e.K - P
         s = e.submit(prompt, generator, env=env, max_new_tokens=max(room, 1), turn_rule=self.rule)
         s.generated, s.segment = [False] * e.T, [0] * P + [-1] * (e.T - P)
-        if P >= self.budget():
+        if P >= _budget(self):
             e.end(s, "max_total_tokens")
         return s
 
@@ -168,17 +165,16 @@ class TurnDriver:
             self.waiting.append(s)
         return s
 
-    def run(self) -> list:
-        """Step until every trajectory is finished; returns their sequences in submission order."""
-        while self.step():
+    def run(self, until=None) -> list:
+        """Step until every trajectory is finished, or `until()` is true (when given); returns their sequences
+        in submission order."""
+        while not (until is not None and until()) and self.step():
             pass
-        if self.engine.progress:
+        if self.engine.progress and until is None:
             print(file=sys.stderr)
         return self.engine.sequences
 
-    def run_until(self, done) -> None:
-        while not done() and self.step():
-            pass
+    run_until = run
 
     def step(self) -> bool:
         """Poll the pending environment steps, run one engine step (none while a trajectory waits, with
@@ -259,16 +255,12 @@ class TurnDriver:
         s.future = None
         self.engine.end(s, stop, failed, error)
 
-    def _encode(self, obs: str | None) -> list[int]:
-        text = self.mt.observation_template.format(observation=obs or "")
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
     def _append_observation(self, s, turn: TurnRecord, obs: str | None, info: dict) -> None:
         given = info.pop("observation_ids", None)  # an environment that owns tokenisation (the agent gateway)
-        obs_ids = [int(t) for t in given] if given is not None else self._encode(obs)
-        lo, budget = s.length, self.budget()
+        obs_ids = [int(t) for t in given] if given is not None else _encode(self, obs)
+        lo, budget = s.length, _budget(self)
         if lo + len(obs_ids) + 1 > budget:
-            if lo + len(self._encode("")) + 1 > budget:  # the turns spent the budget: no observation could fit
+            if lo + len(_encode(self, "")) + 1 > budget:  # the turns spent the budget: no observation could fit
                 return self.engine.end(s, "max_total_tokens")
             # the observation's own length ends the trajectory: a named stop, not a silent end of the budget
             turn.observation = obs
@@ -326,3 +318,14 @@ def run_episodes(model, prompts: list[list[int]], rows: list[dict], env_factory,
                     close()
                 except Exception:  # noqa: BLE001
                     pass
+
+
+def _budget(driver) -> int:
+    """Most tokens a trajectory of `driver` may hold: `max_total_tokens`, within the engine's canvas."""
+    return min(driver.engine.T, driver.mt.max_total_tokens)
+
+
+def _encode(driver, obs: str | None) -> list[int]:
+    """An observation's ids: its text in the observation template, tokenised alone."""
+    text = driver.mt.observation_template.format(observation=obs or "")
+    return driver.tokenizer(text, add_special_tokens=False)["input_ids"]
