@@ -120,9 +120,11 @@ class TurnRule:
 
 class TurnDriver:
     """The multi-turn client of one rollout engine: it submits each trajectory's sequence with a `TurnRule`,
-    sends every finished turn's text to its environment's `env.step` (in a `StepRunner` thread), and when the
-    step returns appends the observation with `Engine.extend` or ends the trajectory (`Engine.end`) by the limits
-    of `MultiTurnConfig`. The engine itself never sees an environment or a tokenizer.
+    sends every finished turn's text to its environment's `env.step` (in a `StepRunner` thread; an environment
+    with `step_async(text)`, which returns a future of ((observation, reward, done, info), seconds) itself, takes
+    no thread), and when the step returns appends the observation with `Engine.extend` or ends the trajectory
+    (`Engine.end`) by the limits of `MultiTurnConfig`. The engine itself never sees an environment or a
+    tokenizer.
 
     Either give an `engine`, or the arguments of one (model, cfg, max_batch, canvas_len, version, progress);
     tokenizer: encodes observations and decodes turns; env_runner: the `StepRunner` (default one of
@@ -211,7 +213,9 @@ class TurnDriver:
                                   forwards=s.turn_forwards))
         s.turn_forwards = 0
         s.submitted = time.monotonic()
-        s.future = self.env_runner.submit(s.env, text)
+        # an environment that answers without blocking (the agent gateway) hands back its own future
+        step_async = getattr(s.env, "step_async", None)
+        s.future = step_async(text) if step_async is not None else self.env_runner.submit(s.env, text)
         self.waiting.append(s)
 
     def _poll(self) -> None:

@@ -89,10 +89,11 @@ class Episode:
         self.turns_answered = 0
         self.in_flight, self.idle_since = 0, time.monotonic()
         self.expired, self.expired_at = False, 0.0
-        # guarded by `cv`, shared with the step thread: the current segment's state
-        self.cv = threading.Condition()
+        # guarded by `cv`, shared with the engine's driver thread: the current segment's state
+        self.cv = threading.Lock()
         self.waiting = False  # a step waits for the agent's next request
-        self.next = None  # (observation ids, reply) handed to the waiting step
+        self.pending: concurrent.futures.Future | None = None  # that step's outcome, completed by offer / end
+        self.info: dict = {}  # the waiting turn's record (its tool calls)
         self.ending = None  # END / REWRITE / TIMEOUT: the segment ends at its next (or its waiting) step
         self.ended_by = None  # what the segment's last step returned on
         self.tools = None  # the tools of the request the current turn answers
@@ -103,39 +104,44 @@ class Episode:
     def start_segment(self, reply, tools) -> None:
         with self.cv:
             self.reply, self.seq, self.tools = reply, None, tools
-            self.waiting, self.next, self.ending, self.ended_by = False, None, None, None
+            self.waiting, self.pending, self.ending, self.ended_by = False, None, None, None
 
-    def step(self, text: str):
-        """The engine's env.step (a step thread): answer the waiting request, wait for what comes next. The
-        wait's own bound (2 T + 5 s) is a backstop: the agent's clock ends it at T (`expire`)."""
+    def step_async(self, text: str) -> concurrent.futures.Future:
+        """The environment's step, without a thread (`rollout.multiturn.TurnDriver` takes the future as it is):
+        answer the request that waits for the turn, and return a future of the step's outcome that the agent's
+        next request (`offer`: an extension, whose rendered ids become the observation) or the segment's end
+        (`end`) completes. The engine's step timeout (3 T + 10 s) is only a backstop: the agent's clock ends a
+        wait at T (`expire`)."""
         turn = self.seq.turns[-1]
         ids = self.driver.engine.runner.read(self.seq, turn.start, turn.end)  # the slot is frozen: WAITING
-        info = {"tool_calls": tool_call_records(text, self.tools)}
-        deadline = time.monotonic() + 2 * self.wait_s + 5.0
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
         with self.cv:
+            self.info = {"tool_calls": tool_call_records(text, self.tools)}
             self.reply.set_result((text, ids, turn.finished_by))
-            self.waiting = True
-            while self.next is None and self.ending is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.ending = TIMEOUT
-                    break
-                self.cv.wait(left)
-            nxt, self.next, self.waiting = self.next, None, False
-            if nxt is None:
-                self.ended_by = self.ending
-                return None, 0.0, True, {**info, "ended_by": self.ending}
-        obs_ids, self.reply = nxt
-        return self.driver.tokenizer.decode(obs_ids), 0.0, False, {**info, "observation_ids": obs_ids}
+            self.pending = fut
+            if self.ending is not None:
+                self._close_step()
+            else:
+                self.waiting = True
+        return fut
+
+    def _close_step(self) -> None:
+        """The pending step ends the segment (under `cv`)."""
+        self.waiting, self.ended_by = False, self.ending
+        fut, self.pending = self.pending, None
+        fut.set_result(((None, 0.0, True, {**self.info, "ended_by": self.ending}), 0.0))
 
     def offer(self, obs_ids: list[int], reply, tools) -> bool:
         """Hand the waiting step the agent's next request; False when no step waits (the segment ended or is
         ending: the request comes too late)."""
         with self.cv:
-            if not self.waiting or self.ending is not None or self.next is not None:
+            if not self.waiting or self.ending is not None:
                 return False
-            self.next, self.tools = (obs_ids, reply), tools
-            self.cv.notify_all()
+            self.waiting, self.reply, self.tools = False, reply, tools
+            fut, self.pending = self.pending, None
+            obs = self.driver.tokenizer.decode(obs_ids)
+            fut.set_result(((obs, 0.0, False, {**self.info, "observation_ids": obs_ids}), 0.0))
             return True
 
     def end(self, why: str) -> None:
@@ -143,7 +149,8 @@ class Episode:
         with self.cv:
             if self.ending is None:
                 self.ending = why
-            self.cv.notify_all()
+            if self.waiting:
+                self._close_step()
 
     def expire(self) -> None:
         """The agent let T pass without a request (event loop): the episode is over."""
@@ -188,14 +195,14 @@ class AgentGateway:
 
         mt = mt or MultiTurnConfig()
         mt.validate()
-        # every episode waiting on its agent holds a step thread: no cap below the number of episodes
-        self.mt = replace(mt, max_workers=max(mt.max_workers, 4096))
+        # an episode's step is a future its agent's next request completes (`Episode.step_async`): no thread
+        self.mt = mt
         # the agent's clock ends a wait at step_timeout_s (`Episode.expire`); the engine's own step timeout,
         # which would fail the trajectory, is only a backstop behind it
         engine_mt = replace(self.mt, step_timeout_s=3 * mt.step_timeout_s + 10.0)
         self.model, self.tokenizer, self.config, self.name = model, tokenizer, config, name
-        # requests are rendered (in `render_pool`'s one thread, off the event loop) while the engine and step
-        # threads decode with `tokenizer`: a fast tokenizer's encode takes its Rust object mutably ("Already
+        # requests are rendered (in `render_pool`'s one thread, off the event loop) while the engine's thread
+        # decodes with `tokenizer`: a fast tokenizer's encode takes its Rust object mutably ("Already
         # borrowed" under concurrent use), so rendering has its own copy
         self.render_tokenizer = copy.deepcopy(tokenizer)
         self.render_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ebpo-gateway-render")

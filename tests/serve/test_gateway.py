@@ -391,3 +391,35 @@ def test_any_model_name_is_the_policy_and_an_agent_without_requests_fails(policy
     assert named["agent"] == {"reward": 1.0, "model": "policy"} and named["env_reward"] == 1.0
     assert silent["failed"] and silent["stop"] == "agent_error" and silent["env_reward"] == 0.0
     assert silent["error"] == "the agent made no request" and silent["turns"] == []
+
+
+def test_episodes_waiting_on_their_agents_hold_no_thread(policy, rows):
+    """Agents that think between requests: while every episode waits for its agent's next request, no thread
+    runs an environment step (the gateway answers each turn with a future), and the episodes still complete
+    with the tokens they decode."""
+    import asyncio
+    import threading
+
+    agent = _agent_module().calculator_agent
+    seen = []
+
+    async def slow_agent(client, row):
+        orig = client.chat.completions.create
+
+        async def create(*a, **kw):
+            await asyncio.sleep(0.3)  # every episode waits here, its turn answered, its sequence paused
+            seen.append(sorted(t.name for t in threading.enumerate()))
+            return await orig(*a, **kw)
+
+        client.chat.completions.create = create
+        return await agent(client, row)
+
+    gw = _gateway(policy)
+    try:
+        out = gw.run(slow_agent, rows, [1, 2, 3, 4, 5, 6])
+    finally:
+        gw.close()
+    assert len(out) == len(rows) and all(s["trajectory"]["turns"] for s in out)
+    later = [names for names in seen[len(rows):]]  # requests after a first answered turn: episodes waiting
+    assert later and all(not any(n.startswith("ebpo-env-step") for n in names) for names in later)
+    # the threads there are the driver's, the render pool's and the event loop's executor, none per episode
