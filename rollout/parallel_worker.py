@@ -140,45 +140,40 @@ class ParallelRolloutWorker:
             self.load_weights(weights, weights_version)
 
     # ---- forwarding
-    def _collect(self, what: str) -> list:
+    def _all(self, name: str, *args, **kw) -> list:
+        """Call `name` on every rank's worker with the same arguments; every rank's answer, in rank order (a rank's
+        failure comes back with its traceback; no answer within `timeout_s` is an error)."""
+        for q in self._inbox:
+            q.put((name, args, kw))
         got: dict[int, object] = {}
         errors = []
         while len(got) + len(errors) < self.world:
             try:
                 rank, ok, value = self._outbox.get(timeout=self.timeout_s)
             except Exception as err:  # queue.Empty: a rank hung or died
-                raise RuntimeError(f"ParallelRolloutWorker.{what}: no answer from every rank within "
+                raise RuntimeError(f"ParallelRolloutWorker.{name}: no answer from every rank within "
                                    f"{self.timeout_s} s") from err
             if ok:
                 got[rank] = value
             else:
                 errors.append(f"rank {rank}:\n{value}")
         if errors:
-            raise RuntimeError(f"ParallelRolloutWorker.{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+            raise RuntimeError(f"ParallelRolloutWorker.{name} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return [got[r] for r in range(self.world)]
-
-    def _all(self, name: str, *args, **kw) -> list:
-        """Call `name` on every rank's worker with the same arguments; every rank's answer, in rank order."""
-        for q in self._inbox:
-            q.put((name, args, kw))
-        return self._collect(name)
-
-    def _call(self, name: str, *args, **kw):
-        return self._all(name, *args, **kw)[0]
 
     # ---- RolloutWorker's methods
     def generate(self, prompt_ids, seeds, decode: dict | None = None, rows: list[dict] | None = None) -> list[dict]:
-        return self._call("generate", prompt_ids, seeds, decode, rows)
+        return self._all("generate", prompt_ids, seeds, decode, rows)[0]
 
     def generate_partial(self, prompt_ids, seeds, tags, quota: int, min_version: int | None = None,
                          rows: list[dict] | None = None, due_version: int | None = None) -> dict:
-        return self._call("generate_partial", prompt_ids, seeds, tags, quota, min_version, rows, due_version)
+        return self._all("generate_partial", prompt_ids, seeds, tags, quota, min_version, rows, due_version)[0]
 
     def partial_state(self) -> dict | None:
-        return self._call("partial_state")
+        return self._all("partial_state")[0]
 
     def restore_partial(self, state: dict | None) -> None:
-        self._call("restore_partial", state)
+        self._all("restore_partial", state)
 
     def load_weights(self, state_dict, version: int) -> float:
         """A full state dict, or a `WeightParts` fetched one part at a time: each rank keeps its slices."""
@@ -230,7 +225,7 @@ class ParallelRolloutWorker:
         return self._all("weights_digest")
 
     def ping(self) -> int:
-        return self._call("ping")
+        return self._all("ping")[0]
 
     def close(self) -> None:
         """Stop the ranks (the worker is unusable afterwards)."""
