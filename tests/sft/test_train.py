@@ -6,7 +6,6 @@ import torch
 from safetensors.torch import load_file
 
 from ebpo.infra.config import ConfigError, load_config
-from ebpo.core.schedule import lr_schedule
 from ebpo.sft.trainer import run
 from ebpo.sft.config import SFTConfig
 
@@ -99,19 +98,6 @@ def test_config_errors_name_the_key(data, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("kind: sft\nobjective:\n  mtf_fraction: 2\n")
     assert main([str(recipe)]) == 2
-
-
-def warmup_cosine(step, warmup, total, min_ratio):
-    """The SFT trainer's schedule: optimizer step `step` of the shared one, lasting one step."""
-    return lr_schedule(step, 1.0, warmup, total, "cosine", min_ratio)
-
-
-def test_warmup_cosine_schedule():
-    assert warmup_cosine(0, 10, 100, 0.1) == pytest.approx(0.1)
-    assert warmup_cosine(9, 10, 100, 0.1) == pytest.approx(1.0)
-    assert warmup_cosine(10, 10, 100, 0.1) == pytest.approx(1.0)
-    assert warmup_cosine(55, 10, 100, 0.1) == pytest.approx(0.55)
-    assert warmup_cosine(100, 10, 100, 0.1) == pytest.approx(0.1)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Block-ELBO composites against independent references written plainly here."""
+"""Block-ELBO composites (ebpo.core.likelihood) against independent references written plainly here."""
 import copy
 import itertools
 

@@ -1,5 +1,4 @@
-"""Device, dtype and model-interface rules of ebpo/core/likelihood.py that its mutation run (issue 40) left
-unpinned on a CPU-only machine, checked here without a GPU.
+"""Device, dtype and model-interface rules of ebpo/core/likelihood.py, checked on a CPU-only machine.
 
 * Every tensor the functions build follows their inputs' device, never torch's default device (GPU users set
   `torch.set_default_device("cuda")`, or leave the default on the CPU with CUDA inputs). On a CPU-only machine the

@@ -1,4 +1,4 @@
-"""Rules of ebpo/core/likelihood.py that its mutation run (issue 40) found unpinned, each against a plain reading.
+"""Rules of ebpo/core/likelihood.py that the composite tests leave open, each against a plain reading.
 
 * `response_mask_from_ids`: response = prompt end up to and including the first EOS at or after the prompt, cut at
   `seq_lens` when given; bad shapes refused with messages naming the argument;
