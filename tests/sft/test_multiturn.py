@@ -1,4 +1,4 @@
-"""Multi-turn SFT data: loss on the assistant turns only, every turn padded to a block boundary."""
+"""Multi-turn SFT data (ebpo.sft.multiturn): loss on the assistant turns only, every turn padded to a block boundary."""
 import json
 
 import torch

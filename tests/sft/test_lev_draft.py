@@ -1,4 +1,4 @@
-"""The Levenshtein SFT's next-round draft under the decoder's thresholds (issue 35 point 5; ebpo/sft/lev_draft.py).
+"""The Levenshtein SFT's next-round draft under the decoder's thresholds (ebpo/sft/lev_draft.py).
 
 * `decoder_next_draft` equals a plain-loop reading of the decoder's rules (`plain_next_draft` below: Python loops
   over rows, blocks and positions, float64 probabilities, nothing shared with `rollout.levenshtein`) on random
@@ -183,8 +183,8 @@ def test_next_draft_equals_plain_loop_of_the_decoder_rules(B, L, K):
     assert stats["noop_refused"] > 0 and stats["capped"] > 0, stats
 
 
-def test_issue_example_acts_on_a_mask_with_content_after_it_and_never_on_the_tail():
-    """The issue's draft `3?+2_=6 ` (`?` inserted, `_` a [MASK]) of the target `3+2+1=6 `: DELETE the `?`, INSERT
+def test_the_worked_example_acts_on_a_mask_with_content_after_it_and_never_on_the_tail():
+    """The worked example: the draft `3?+2_=6 ` (`?` inserted, `_` a [MASK]) of the target `3+2+1=6 `: DELETE the `?`, INSERT
     before the [MASK] (the slot for the `+1` the draft lacks); a confident DELETE at a trailing [MASK] does nothing."""
     t = {c: 3 + i for i, c in enumerate("3?+2=6 1")}
     draft = torch.tensor([[t["3"], t["?"], t["+"], t["2"], MASK, t["="], t["6"], t[" "]],
