@@ -2,8 +2,7 @@
 
 Also the rules the formulas leave open: the defaults (grpo, std_normalize, eps = 1e-6, k3 with its bound at
 K3_LINEAR_BELOW), the refusal of mismatched shapes, an empty batch, RLOO on groups of two (the G/(G-1) factor where
-it is largest), std normalisation of a small spread against a plain loop, and k3's tangent below -c.
-"""
+it is largest), std normalisation of a small spread against a plain loop, and k3's tangent below -c."""
 import math
 
 import pytest

@@ -18,8 +18,7 @@ The rules of the draws:
 * every random choice comes from the generator passed in (the global RNG changes nothing);
 * the sources: `draft` substitutes the model's own sample at every chosen position, `uniform` a uniform token,
   `mixed` one or the other with probability 1/2 each; draft and mixed need the model and the mask id;
-* the draws (and `noisy_half_hidden`) make their tensors on the inputs' device (tests/support/devices.py).
-"""
+* the draws (and `noisy_half_hidden`) make their tensors on the inputs' device (tests/support/devices.py)."""
 import copy
 import itertools
 import math

@@ -12,8 +12,7 @@ The rules, each against a plain reading:
   each later round only (lev_rounds - 1 times, on that round's draft); its tensors follow the inputs' device.
 
 The statistical checks use fixed seeds; each bound is Hoeffding's for independent terms in [0, 1]
-(P(|mean - E| >= eps) <= 2 exp(-2 n eps^2)), sized in the test so that a false failure has probability < 1e-8.
-"""
+(P(|mean - E| >= eps) <= 2 exp(-2 n eps^2)), sized in the test so that a false failure has probability < 1e-8."""
 import json
 import math
 import random

@@ -7,8 +7,7 @@ LCS lengths, and a plain-loop reading of the gap rules.
   `lcs_labels` refuses anything but two equal (n, k) blocks;
 * every tensor the label functions make stays on their inputs' device: under a `meta` default device, with the
   inputs on the CPU, they return exactly what they return without one (a table, index or buffer made on the
-  default device would be `meta` and fail where it meets the CPU inputs).
-"""
+  default device would be `meta` and fail where it meets the CPU inputs)."""
 import collections
 import itertools
 import random

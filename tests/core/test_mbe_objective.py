@@ -11,8 +11,7 @@ hand-built mask.
   (the LM head runs only on the selected positions: no (B, L, V) logits).
 
 Not checkable on one device: the moves of `mbe_window_loss` onto `clean.device` (its substitution runs on the CPU,
-so on a CPU-only machine the move is a no-op, and a `meta` `clean` has no values to substitute).
-"""
+so on a CPU-only machine the move is a no-op, and a `meta` `clean` has no values to substitute)."""
 from collections import namedtuple
 
 import pytest

@@ -2,8 +2,7 @@
 
 Also: randomness only from the generator passed in, min_one by default (one forced mask, always inside the
 response, never in a row without response), no T2T at rate 0 (allowed_ids not needed), the bounds of t_min / t_max
-and of the allowed ids, with their messages, and the id ranges of substitution_ids.
-"""
+and of the allowed ids, with their messages, and the id ranges of substitution_ids."""
 import pytest
 import torch
 

@@ -12,8 +12,7 @@ continuous-time 1/t ELBO over t in (0, 1] by quadrature, and the Monte Carlo mea
   random, i.e. how unlucky the fixed seed would have to be;
 * `exact_elbo_masks` puts every output on its generator's device, whatever the default device is (run under the
   `meta` default device it returns the same CPU tensors as without it). Not checkable on one device: moving the
-  input mask onto the generator's device (a `meta` input cannot be copied to the CPU).
-"""
+  input mask onto the generator's device (a `meta` input cannot be copied to the CPU)."""
 import itertools
 import math
 

@@ -10,8 +10,7 @@ The rules of the SFT mixture loss the per-block tests leave open:
 * ObjectiveConfig.validate's bounds, each named by its key;
 * the counts at their edges: shard accuracies that add up when the model is right somewhere (a random tiny model
   restores nothing, so a 0 + 0 = 0 check cannot see a wrong share), MTF rows spread over the shards, an MTF
-  fraction that rounds to one row, a batch with no masked token, and MTF over a single drafted token.
-"""
+  fraction that rounds to one row, a batch with no masked token, and MTF over a single drafted token."""
 import dataclasses
 
 import pytest

@@ -1,7 +1,6 @@
 """The decoupled off-policy EBPO loss (ebpo.core.offpolicy) against a plain per-sequence reference: truncated
 importance weights, length normalisation, the dual clip, a cap of exactly 1 and its metrics; the weights carry no
-gradient, and a behaviour policy equal to the proximal one gives the on-policy loss bit for bit.
-"""
+gradient, and a behaviour policy equal to the proximal one gives the on-policy loss bit for bit."""
 import math
 
 import pytest

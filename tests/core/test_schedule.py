@@ -1,6 +1,5 @@
 """The learning-rate schedules (ebpo.core.schedule) against their docstrings read literally, on a grid of progress,
-step sizes, warm-ups, totals and floors; the defaults are a cosine down to zero.
-"""
+step sizes, warm-ups, totals and floors; the defaults are a cosine down to zero."""
 import math
 
 import pytest

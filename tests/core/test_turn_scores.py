@@ -13,8 +13,7 @@ reading of the module docstring:
   (defaults 4, 0.1, 1.0, 0), a generator passed wins over the seed; n_turns counts the model turns (0 for a row
   without one), per_turn has max(1, most turns) columns, zero where a row has no such turn; mean() averages the
   draws; the model's pad id pads (the mask id when it has none); a model turn sharing a block with what follows
-  it is refused.
-"""
+  it is refused."""
 import pytest
 import torch
 

@@ -6,8 +6,7 @@
   [turn t ; answer t ; turn t + 1] case included: its latest segment is generated again);
 * `layout_segments` refuses a block size below one and pads a generated segment to a block boundary when another
   segment follows it, the last one too only with `pad_last`; TurnLayout's tensors have their documented dtypes,
-  even empty.
-"""
+  even empty."""
 import itertools
 import random
 from datetime import timedelta

@@ -1,6 +1,5 @@
 """L-EBPO composites (ebpo.core.lev_likelihood): exact against a per-block reference loop, and EBPO bit for bit when no
-rollout inserted or deleted anything (composites in every layout, and the learner's whole update).
-"""
+rollout inserted or deleted anything (composites in every layout, and the learner's whole update)."""
 import copy
 
 import pytest

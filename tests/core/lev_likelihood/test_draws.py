@@ -6,8 +6,7 @@
   and every remainder L mod K, each block's labels are those of a plain per-block reading of the rules with the
   partial block padded by [MASK] (tests/support/lev_reference.py);
 * `lev_stats` are means per (draw, sequence);
-* both draws make their tensors on the inputs' device (tests/support/devices.py).
-"""
+* both draws make their tensors on the inputs' device (tests/support/devices.py)."""
 import random
 import types
 from types import SimpleNamespace

@@ -8,8 +8,7 @@ two observations; drafts in every turn, one of them on a block that opens with t
   * a turn's composite and per-block terms do not move when anything after it changes (tokens, observations,
     drafts, lengths), and they do move when the turn itself changes;
   * without drafts, multi-turn L-EBPO is multi-turn EBPO bit for bit (composites in every layout, a whole update);
-  * a draft that rewrites the context opening its block is refused; the worker hands a trajectory's drafts on.
-"""
+  * a draft that rewrites the context opening its block is refused; the worker hands a trajectory's drafts on."""
 import copy
 import math
 
