@@ -67,7 +67,7 @@ def _check(logits, temperature, top_k, top_p, generators):
         raise ValueError(f"generators: need one per batch row ({logits.shape[0]}), got {len(generators)}")
 
 
-def _gumbel(shape, g: torch.Generator | None, device) -> torch.Tensor:
+def gumbel_noise(shape, g: torch.Generator | None, device) -> torch.Tensor:
     """Standard Gumbel noise in fp32 from generator g (drawn on g's device, then moved)."""
     gdev = g.device if g is not None else device
     u = torch.rand(shape, generator=g, device=gdev, dtype=torch.float32).to(device)
@@ -84,7 +84,7 @@ def candidates_torch(logits, temperature=0.0, top_k=0, top_p=1.0, generators=Non
         x = filter_logits(x / temperature, top_k, top_p)
         B = x.shape[0]
         gens = generators if generators is not None else [None] * B
-        tok = torch.stack([(x[b] + _gumbel(x.shape[1:], gens[b], x.device)).argmax(-1) for b in range(B)])
+        tok = torch.stack([(x[b] + gumbel_noise(x.shape[1:], gens[b], x.device)).argmax(-1) for b in range(B)])
     prob = (x.gather(-1, tok[..., None]).squeeze(-1) - torch.logsumexp(x, -1)).exp()
     return tok, prob
 

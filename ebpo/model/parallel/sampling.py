@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.decode import _gumbel  # the single-process sampler's noise: same draws by construction
+from kernels.decode import gumbel_noise  # the single-process sampler's noise: same draws by construction
 
 TOP_P_FIRST_M = 256
 
@@ -120,7 +120,7 @@ def _top_p(x: torch.Tensor, shard: VocabShard, top_p: float, top_k: int) -> torc
 def _noise(shape_kv: tuple[int, int], shard: VocabShard, generators, B: int, device) -> torch.Tensor:
     """(B, K, local V) slices of each row's Gumbel noise over the whole vocabulary, drawn from its generator."""
     gens = generators if generators is not None else [None] * B
-    return torch.stack([_gumbel(shape_kv, gens[b], device)[..., shard.start:shard.stop] for b in range(B)])
+    return torch.stack([gumbel_noise(shape_kv, gens[b], device)[..., shard.start:shard.stop] for b in range(B)])
 
 
 def sharded_candidates(local: torch.Tensor, shard: VocabShard, temperature: float = 0.0, top_k: int = 0,
