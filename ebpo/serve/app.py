@@ -17,6 +17,11 @@ What a client can make the server do is bounded before any work starts (docs/ser
 * decoding and checking the JSON (`schema.decode_body`) runs in a worker thread, as does all tokenising
   (`ChatService`), so a large request never holds the event loop that answers the other clients.
 
+`stream: true` is answered with server-sent events (`ChatService.stream`, `SSEResponse`); every check that can
+refuse a request runs before the first byte, so a refusal is still a 4xx in the OpenAI shape. A request that
+would take the server beyond its bound on sequences held at once gets 429 (`rate_limit_exceeded`, with
+`Retry-After`).
+
 A request whose client disconnects is cancelled: `ChatService.complete` aborts its sequences at the next
 forward. `Shutdown` drains the server on SIGTERM (`GracefulServer`): new requests get 503, requests in flight
 have the grace period to finish, then get a 503 and their sequences are aborted.
@@ -30,7 +35,7 @@ import time
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -163,7 +168,10 @@ def create_app(service, complete=None, *, api_key: str | None = None,
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
         # an unread body (413) is not drained: the connection is closed instead
-        return JSONResponse(exc.body(), exc.status, headers={"Connection": "close"} if exc.status == 413 else None)
+        headers = dict(exc.headers or {})
+        if exc.status == 413:
+            headers["Connection"] = "close"
+        return JSONResponse(exc.body(), exc.status, headers=headers or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -188,6 +196,12 @@ def create_app(service, complete=None, *, api_key: str | None = None,
                                type="server_error")
         body = await read_json(request, max_body_bytes)
         req = parse_request(body, service.default, service.max_tokens_limit)
+        if req.stream:
+            if complete is not None or not hasattr(service, "stream"):
+                raise RequestError("stream=true is not supported here", "stream", "unsupported_parameter")
+            work = asyncio.ensure_future(service.stream(req, shutdown.expired()))
+            chat_stream = await supervise(request, work, shutdown)
+            return chat_stream if isinstance(chat_stream, JSONResponse) else SSEResponse(chat_stream)
         work = asyncio.ensure_future(complete(request, req) if complete is not None else service.complete(req))
         return await supervise(request, work, shutdown)
 
@@ -196,6 +210,22 @@ def create_app(service, complete=None, *, api_key: str | None = None,
         app.add_api_route(prefix + "/models", models, methods=["GET"])
         app.add_api_route(prefix + "/chat/completions", chat, methods=["POST"])
     return app
+
+
+class SSEResponse(StreamingResponse):
+    """The server-sent events of a `ChatStream`; the stream is closed (its unfinished sequences aborted, its
+    sequences released) however the response ends: finished, the client gone, or the server stopping."""
+
+    def __init__(self, chat_stream):
+        super().__init__(chat_stream, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.chat_stream = chat_stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.chat_stream.close()
 
 
 class GracefulServer(uvicorn.Server):

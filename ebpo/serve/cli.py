@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of the default DecodeConfig, e.g. --set max_new_tokens=128 (repeatable)")
     p.add_argument("--max-batch", type=int, default=16, help="most sequences decoding at once (per decode setting)")
+    p.add_argument("--max-sequences", type=int, default=None,
+                   help="most sequences (n per request, summed) the server holds at once; a request beyond it gets "
+                        "429 with Retry-After (default: 4 x --max-batch)")
     p.add_argument("--max-len", type=int, default=1024, help="most tokens per sequence: prompt + max_tokens")
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
@@ -60,8 +63,9 @@ def is_loopback(host: str) -> bool:
 
 
 def build_service(model_spec: str, name: str | None = None, mode: str = "quality", overrides: dict | None = None,
-                  max_batch: int = 16, max_len: int = 1024, device: str = "cpu"):
-    """(ChatService, EngineDriver started) for a model: what `ebpo serve` runs and what tests start in-process."""
+                  max_batch: int = 16, max_len: int = 1024, device: str = "cpu", max_sequences: int | None = None):
+    """(ChatService, EngineDriver started) for a model: what `ebpo serve` runs and what tests start in-process.
+    max_sequences: the bound on sequences held at once (None: 4 x max_batch)."""
     from ebpo.model.loading import load_model, load_model_tokenizer
 
     from .driver import EngineDriver
@@ -71,7 +75,7 @@ def build_service(model_spec: str, name: str | None = None, mode: str = "quality
     model = load_model(model_spec, device=device).eval()
     tok = load_model_tokenizer(model_spec)
     driver = EngineDriver(model, tok, max_batch=max_batch, max_len=max_len, engine_config=default).start()
-    return ChatService(model, tok, driver, name or model_spec, default), driver
+    return ChatService(model, tok, driver, name or model_spec, default, max_sequences=max_sequences), driver
 
 
 def main(argv: list[str]) -> int:
@@ -81,6 +85,8 @@ def main(argv: list[str]) -> int:
         DecodeConfig.preset(args.mode, **overrides)
         if not (args.max_body_mb > 0 and args.shutdown_grace_s >= 0):
             raise ValueError("--max-body-mb must be > 0 and --shutdown-grace-s >= 0")
+        if args.max_sequences is not None and args.max_sequences < 1:
+            raise ValueError(f"--max-sequences must be >= 1, got {args.max_sequences}")
     except ValueError as err:
         print(f"ebpo serve: {err}", file=sys.stderr)
         return 2
@@ -96,10 +102,11 @@ def main(argv: list[str]) -> int:
     from .app import GracefulServer, create_app
 
     service, driver = build_service(args.model, args.name, args.mode, overrides, args.max_batch, args.max_len,
-                                    args.device)
+                                    args.device, args.max_sequences)
     app = create_app(service, api_key=args.api_key or None, max_body_bytes=int(args.max_body_mb * 2 ** 20))
     print(f"ebpo serve: {service.name!r} on http://{args.host}:{args.port}/v1 (max_batch {args.max_batch}, "
-          f"max_len {args.max_len}, default {args.mode}, API key {'required' if args.api_key else 'none'})",
+          f"max_sequences {service.max_sequences}, max_len {args.max_len}, default {args.mode}, "
+          f"API key {'required' if args.api_key else 'none'})",
           file=sys.stderr)
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"),
                             args.shutdown_grace_s)

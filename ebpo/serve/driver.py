@@ -23,7 +23,7 @@ import torch
 from rollout.config import DecodeConfig
 from rollout.engine import Engine
 from rollout.multiturn import TurnDriver
-from rollout.sequence import FINISHED
+from rollout.sequence import DECODING, FINISHED
 
 
 @dataclass
@@ -35,6 +35,7 @@ class _Submission:
     env: object | None
     future: concurrent.futures.Future
     on_start: object | None = None
+    on_block: object | None = None
 
 
 @dataclass
@@ -60,6 +61,7 @@ class EngineDriver:
         # sequences with an environment (the agent gateway's episodes) go through the multi-turn client
         self.turns = TurnDriver(tokenizer=tokenizer, mt=mt, engine=self.engine) if mt is not None else None
         self.pending: dict = {}  # Future -> Sequence not finished yet
+        self.watched: dict = {}  # Future -> [on_block, generated tokens already reported] (streamed sequences)
         self.inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,18 +87,23 @@ class EngineDriver:
             self._thread.join(timeout)
 
     def submit(self, prompt: list[int], config, generator: torch.Generator | None = None,
-               max_new_tokens: int | None = None, env=None, on_start=None) -> concurrent.futures.Future:
+               max_new_tokens: int | None = None, env=None, on_start=None,
+               on_block=None) -> concurrent.futures.Future:
         """Queue one sequence (token ids, its `DecodeConfig`, its own generator when sampling, a single-turn
         length, an environment for a multi-turn sequence); the Future gives the finished `Sequence` (or the
         ValueError the engine raised: a prompt too long for the canvas, settings the engine cannot decode with,
         such as DELETE / INSERT without their token ids or another block size). on_start(sequence, driver)
         is called in the driver thread once the engine holds the sequence (the agent gateway reads a waiting
-        turn's token ids from the engine's slot through it)."""
+        turn's token ids from the engine's slot through it). on_block(sequence, tokens), for a single-turn
+        sequence, is called in the driver thread after each engine step in which the sequence's committed
+        blocks grew, with its generated tokens up to the start of its active block (`committed_tokens`); the
+        last blocks come with the finished Sequence instead. It must be quick and must not raise (the server
+        hands the tokens to its event loop)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self.error is not None:
             fut.set_exception(RuntimeError(f"the engine driver stopped: {self.error!r}"))
             return fut
-        self.inbox.put(_Submission(list(prompt), config, generator, max_new_tokens, env, fut, on_start))
+        self.inbox.put(_Submission(list(prompt), config, generator, max_new_tokens, env, fut, on_start, on_block))
         return fut
 
     def abort(self, future: concurrent.futures.Future) -> None:
@@ -116,6 +123,7 @@ class EngineDriver:
                     self.turns.step()
                 else:
                     self.engine.step()
+                self._report_blocks()
                 self._collect()
         except BaseException as e:  # noqa: BLE001 - fail every waiting caller instead of hanging them
             self.error = e
@@ -151,11 +159,14 @@ class EngineDriver:
                 sub.future.set_exception(e)
                 continue
             self.pending[sub.future] = seq
+            if sub.on_block is not None and sub.env is None:
+                self.watched[sub.future] = [sub.on_block, 0]
             if sub.on_start is not None:
                 sub.on_start(seq, self)
 
     def _abort(self, fut: concurrent.futures.Future) -> None:
         seq = self.pending.pop(fut, None)
+        self.watched.pop(fut, None)
         if seq is None:
             return
         self.engine.abort(seq)
@@ -163,9 +174,31 @@ class EngineDriver:
             fut.set_exception(concurrent.futures.CancelledError("aborted by the caller"))
         self.engine.forget_finished()
 
+    def committed_tokens(self, s) -> list[int] | None:
+        """The generated tokens of a live single-turn sequence `s` that no later forward can change, or None while
+        it is not decoding a block (queued, or in a Multi-Block Editing pass). Blocks commit in order, so those
+        before its active block are final, except that with Multi-Block Editing (`mbe_window` w > 0) the window
+        opened when the active block ends reaches back w blocks: only blocks before `block - w` are final.
+        Driver thread only."""
+        if s.status != DECODING or s.slot is None or s.mbe_start is not None:
+            return None
+        end = min((s.block - max(0, s.cfg.mbe_window)) * self.engine.K, s.prompt_len + s.max_new)
+        return self.engine.runner.read(s, s.prompt_len, end) if end > s.prompt_len else []
+
+    def _report_blocks(self) -> None:
+        for fut, watch in list(self.watched.items()):
+            s = self.pending.get(fut)
+            if s is None or s.status == FINISHED:
+                continue
+            toks = self.committed_tokens(s)
+            if toks is not None and len(toks) > watch[1]:
+                watch[1] = len(toks)
+                watch[0](s, toks)
+
     def _collect(self) -> None:
         for fut, s in list(self.pending.items()):
             if s.status == FINISHED:
                 del self.pending[fut]
+                self.watched.pop(fut, None)
                 fut.set_result(s)
         self.engine.forget_finished()  # nothing refers to them any more: a long-lived server must not grow

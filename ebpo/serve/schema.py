@@ -1,8 +1,9 @@
 """Chat-completion requests: validation of the OpenAI request body into a `ChatRequest`, and the error shape.
 
 Supported fields: model, messages, tools, tool_choice ("auto" / "none"), n, seed, temperature, top_p,
-max_tokens (or max_completion_tokens), stop; `stream` must be false (no streaming). Draft-and-edit settings
-ride in the request's extra body (`extra_body=` of the `openai` client): mode (a `DecodeConfig` preset:
+max_tokens (or max_completion_tokens), stop, stream (server-sent events)
+with stream_options.include_usage. Draft-and-edit settings ride in the request's extra body (`extra_body=` of
+the `openai` client): mode (a `DecodeConfig` preset:
 quality | speed | m2t), tau_mask, tau_edit, tau_delete, tau_insert (DELETE / INSERT: a threshold turns it on,
 null turns it off), mbe_window, top_k, and return_token_ids (each choice then carries its `token_ids`).
 Anything else that the OpenAI API defines but this server does not implement is refused, naming the field,
@@ -41,9 +42,10 @@ class RequestError(Exception):
     """A request the server refuses: HTTP `status`, OpenAI error `type`, the offending `param`, a `code`."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+        self.headers = headers  # extra response headers (Retry-After of a 429)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -104,6 +106,8 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     return_token_ids: bool = False
     tool_choice: str = "auto"
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def _is_int(v) -> bool:
@@ -230,16 +234,22 @@ def parse_request(body, default: DecodeConfig, max_tokens_limit: int) -> ChatReq
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     known = {"model", "messages", "tools", "tool_choice", "n", "seed", "temperature", "top_p", "max_tokens",
-             "max_completion_tokens", "stop", "stream", "mode", "return_token_ids", *DRAFT_EDIT_FIELDS,
+             "max_completion_tokens", "stop", "stream", "stream_options", "mode", "return_token_ids", *DRAFT_EDIT_FIELDS,
              *IGNORED_FIELDS}
     for key, value in body.items():
         if key in NEUTRAL_DEFAULTS and value in (None, NEUTRAL_DEFAULTS[key]):
             continue
         if key not in known:
             raise RequestError(f"{key} is not supported by this server", key, "unsupported_parameter")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported: this server answers whole completions", "stream",
-                           "unsupported_parameter")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not (isinstance(options, dict) and set(options) <= {"include_usage"}
+            and isinstance(options.get("include_usage", False), bool)):
+        raise RequestError("stream_options may only hold include_usage (true or false)", "stream_options")
+    if options and not stream:
+        raise RequestError("stream_options is only allowed with stream=true", "stream_options")
     if not isinstance(body.get("model"), str):
         raise RequestError("model must be a string", "model")
     n = body.get("n", 1) if body.get("n") is not None else 1
@@ -256,4 +266,5 @@ def parse_request(body, default: DecodeConfig, max_tokens_limit: int) -> ChatReq
         raise RequestError("return_token_ids must be true or false", "return_token_ids")
     return ChatRequest(model=body["model"], messages=parse_messages(body.get("messages")),
                        config=_decode_config(body, default, max_tokens_limit), tools=parse_tools(body.get("tools")),
-                       n=n, seed=seed, stop=_stop(body.get("stop")), return_token_ids=rti, tool_choice=choice)
+                       n=n, seed=seed, stop=_stop(body.get("stop")), return_token_ids=rti, tool_choice=choice,
+                       stream=stream, include_usage=bool(options.get("include_usage", False)))

@@ -335,3 +335,43 @@ def test_sigterm_to_ebpo_serve_exits_within_the_grace(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ---- the bound on sequences held at once
+
+@pytest.fixture()
+def bounded_server():
+    """tiny-agent holding at most 4 sequences, whose forwards each sleep 250 ms (a 64-token request lasts
+    seconds)."""
+    from ebpo.serve.app import BackgroundServer, create_app
+    from ebpo.serve.cli import build_service
+
+    service, driver = build_service("tiny-agent", max_batch=4, max_len=512, max_sequences=4)
+    service.model.register_forward_pre_hook(lambda *_: time.sleep(0.25))
+    live = BackgroundServer(create_app(service))
+    yield service, driver, live
+    live.stop()
+    driver.close()
+
+
+def test_a_request_beyond_the_bound_on_sequences_gets_a_429(bounded_server):
+    service, driver, live = bounded_server
+    client = openai.OpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        long = pool.submit(client.chat.completions.create, model="tiny-agent", messages=USER, n=3, max_tokens=64,
+                           temperature=1.0, seed=0)
+        deadline = time.monotonic() + 30
+        while service.held < 3:
+            assert time.monotonic() < deadline and not long.done()
+            time.sleep(0.02)
+        for stream in (False, True):  # 3 held + 2 > 4, streamed or not
+            with pytest.raises(openai.RateLimitError) as err:
+                client.chat.completions.create(model="tiny-agent", messages=USER, n=2, max_tokens=8, stream=stream)
+            assert err.value.status_code == 429 and err.value.response.headers["retry-after"] == "1"
+            assert err.value.body["code"] == "rate_limit_exceeded" and err.value.body["type"] == "rate_limit_error"
+        assert not long.done(), "the long request ended before the check: make it longer"
+        one = client.chat.completions.create(model="tiny-agent", messages=USER, n=1, max_tokens=8)  # 3 + 1 fits
+        assert len(one.choices) == 1
+        assert len(long.result(timeout=120).choices) == 3
+    assert service.held == 0
+    assert len(client.chat.completions.create(model="tiny-agent", messages=USER, n=4, max_tokens=8).choices) == 4

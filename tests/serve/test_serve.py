@@ -81,7 +81,7 @@ def test_n_choices_with_a_seed_are_the_tokens_of_ebpo_generate(served, client, c
     (dict(messages=USER, temperature=-1), "temperature"),
     (dict(messages=USER, max_tokens=100000), "max_tokens"),
     (dict(messages=USER, stop=["a", "b", "c", "d", "e"]), "stop"),
-    (dict(messages=USER, stream=True), "stream"),
+    (dict(messages=USER, extra_body={"stream": "yes"}), "stream"),
     (dict(messages=USER, logit_bias={"5": 1}), "logit_bias"),
     (dict(messages=USER, logprobs=True), "logprobs"),  # a diffusion policy has none to give (docs/serving.md)
     (dict(messages=USER, logprobs=True, top_logprobs=2), "logprobs"),
