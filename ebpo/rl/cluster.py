@@ -6,6 +6,11 @@ Rollout and reward actors are `ResilientActor`s: one that dies is restarted (a r
 weights `PolicyWeights.restart_weights` names) and its share of the call is retried. The learner group
 is rebuilt whole (`new_learner`) when a rank dies. Ray itself is imported here, where the actors start:
 the rest of the driver never touches it.
+
+A rollout worker with `rollout.tensor_parallel` or `rollout.expert_parallel` > 1 is one `ParallelRolloutWorker`
+actor that starts its `max(tp, ep)` ranks itself (docs/parallel.md), so the driver still sees one worker. It
+holds the GPUs of all its ranks (`ray.rollout_gpus` is per rank) and, on CPU, shares `rollout.num_threads` among
+its ranks, so that a worker uses the same cores whatever its layout.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rewards import RewardWorker
 from rewards.envs import make_environment
+from rollout.parallel_worker import ParallelRolloutWorker
 from rollout.worker import RolloutWorker
 
 from ebpo.rl.actors import ResilientActor, split_evenly
@@ -30,6 +36,26 @@ from ebpo.rl.records import RolloutSample
 from ebpo.serve.agents import AgentRolloutWorker
 
 log = logging.getLogger("ebpo")
+
+
+def rollout_ranks(cfg: RLConfig) -> int:
+    """Processes (and, on GPU, devices) of one rollout worker: max(tensor_parallel, expert_parallel)."""
+    return max(cfg.rollout.tensor_parallel, cfg.rollout.expert_parallel)
+
+
+def rollout_worker_class(cfg: RLConfig) -> tuple:
+    """(Ray actor class of a rollout worker, its keyword arguments beyond model, decode, fp8, device, env and
+    weights): a plain `RolloutWorker` (or the agent worker) holding `ray.rollout_gpus`, or, for a parallel layout,
+    a `ParallelRolloutWorker` holding that many GPUs per rank. Its CPU reservation is 0 either way (its cores are
+    `rollout.num_threads`, all CPUs when null), and a parallel worker's ranks share those threads."""
+    ranks = rollout_ranks(cfg)
+    threads = max(1, (cfg.rollout.num_threads or os.cpu_count() or 1) // ranks)
+    if ranks > 1:
+        return (ray.remote(num_cpus=0, num_gpus=cfg.ray.rollout_gpus * ranks)(ParallelRolloutWorker),
+                {"num_threads": threads, "tensor_parallel": cfg.rollout.tensor_parallel,
+                 "expert_parallel": cfg.rollout.expert_parallel})
+    cls = AgentRolloutWorker if cfg.env.agent else RolloutWorker
+    return ray.remote(num_cpus=0, num_gpus=cfg.ray.rollout_gpus)(cls), {"num_threads": threads}
 
 
 class EventLog(list):
@@ -57,13 +83,11 @@ class Cluster:
         """Start every actor (the learner ranks last: they load the model and form their group)."""
         cfg = self.cfg
         decode = {"preset": cfg.rollout.preset, **cfg.rollout.decode}
-        threads = cfg.rollout.num_threads or os.cpu_count() or 1
-        rollout_cls = ray.remote(num_cpus=0, num_gpus=cfg.ray.rollout_gpus)(RolloutWorker)
+        rollout_cls, worker_kwargs = rollout_worker_class(cfg)
         reward_cls = ray.remote(num_cpus=cfg.ray.reward_cpus)(RewardWorker)
         self._placement = self._place()
         env = {}
         if cfg.env.agent:  # agent RL: the worker runs the agent function through its in-process gateway
-            rollout_cls = ray.remote(num_cpus=0, num_gpus=cfg.ray.rollout_gpus)(AgentRolloutWorker)
             env = {"agent": cfg.env.agent, "agent_kwargs": dict(cfg.env.kwargs), "multiturn": asdict(cfg.env.turns)}
         elif cfg.env.multi_turn:  # the worker builds one environment per trajectory (rollout never imports rewards)
             env = {"env_factory": functools.partial(make_environment, cfg.env.name, dict(cfg.env.kwargs)),
@@ -71,8 +95,8 @@ class Cluster:
 
         def rollout_factory(i: int):
             return rollout_cls.options(**self._placement(i)).remote(
-                self.model_spec, decode, num_threads=threads, fp8=cfg.rollout.fp8,
-                device="cuda" if cfg.ray.rollout_gpus > 0 else "cpu", **env, **restart_weights())
+                self.model_spec, decode, fp8=cfg.rollout.fp8, device="cuda" if cfg.ray.rollout_gpus > 0 else "cpu",
+                **worker_kwargs, **env, **restart_weights())
 
         def reward_factory():
             return reward_cls.remote(self.reward_specs, num_workers=cfg.reward.num_workers,
@@ -117,7 +141,7 @@ class Cluster:
         if not cfg.ray.colocate and cfg.ray.spread_nodes <= 0:
             return lambda i: {}
         n_rollout, n_learner = cfg.rollout.num_workers, cfg.learner.num_workers
-        gpus = [cfg.ray.rollout_gpus] * n_rollout + [cfg.ray.learner_gpus] * n_learner
+        gpus = [cfg.ray.rollout_gpus * rollout_ranks(cfg)] * n_rollout + [cfg.ray.learner_gpus] * n_learner
 
         def bundle(members: list[int]) -> dict:
             total = sum(gpus[i] for i in members)

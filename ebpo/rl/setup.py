@@ -38,10 +38,7 @@ def check(cfg: RLConfig) -> RLRun:
     """Step 1: everything that can be checked before a run directory exists (see the module docstring)."""
     model_spec = resolve_model_path(cfg.model)
     if cfg.rollout.tensor_parallel > 1 or cfg.rollout.expert_parallel > 1:
-        # planned and checked by `ebpo plan`; the rollout worker would otherwise hold the whole model on one device
-        raise ConfigError(f"rollout.tensor_parallel = {cfg.rollout.tensor_parallel}, rollout.expert_parallel = "
-                          f"{cfg.rollout.expert_parallel}: the rollout worker does not run the parallel model yet "
-                          "(docs/parallel.md); `ebpo plan` sizes such a layout, `ebpo train` needs both at 1")
+        check_rollout_parallel(cfg, model_spec)
     model_k = model_block_size(model_spec)
     if cfg.model_overrides:
         model_config_of(model_spec, cfg.model_overrides)  # a bad value stops here, before anything is written
@@ -75,6 +72,29 @@ def check(cfg: RLConfig) -> RLRun:
                 reward_names=names, judge_names=[n for n, f in zip(names, cfg.reward.fns) if f.judge],
                 events=EventLog(), model_spec=model_spec, block_size=cfg.learner.block_size or model_k)
     return run
+
+
+def check_rollout_parallel(cfg: RLConfig, model_spec: str) -> None:
+    """A parallel rollout layout (`rollout.tensor_parallel` / `rollout.expert_parallel` > 1) that the model can
+    be split by and the `ParallelRolloutWorker` can run; ConfigError naming the key. The same checks as
+    `ebpo plan`: heads, KV heads and experts (`RolloutConfig.check_parallel`), then everything the parallel
+    model splits (vocabulary, MLP widths, FP8 blocks)."""
+    from ebpo.model.parallel.layout import ParallelLayout, check_layout
+
+    rc = cfg.rollout
+    tp, ep = rc.tensor_parallel, rc.expert_parallel
+    keys = f"rollout.tensor_parallel = {tp}, rollout.expert_parallel = {ep}"
+    if cfg.env.agent:
+        raise ConfigError(f"{keys}: env.agent runs on a one-process rollout worker only; set both to 1")
+    if 0 < cfg.ray.rollout_gpus < 1:  # rank r takes device r of the GPUs Ray gives the worker
+        raise ConfigError(f"ray.rollout_gpus = {cfg.ray.rollout_gpus}: a parallel rollout worker ({keys}) needs "
+                          "whole GPUs, one per rank (ray.rollout_gpus = 1)")
+    config = model_config_of(model_spec, cfg.model_overrides)
+    rc.check_parallel(config.num_attention_heads, config.num_key_value_heads, config.num_experts or 0)
+    try:
+        check_layout(config, ParallelLayout(tp_size=tp, ep_size=ep, fp8=rc.fp8))
+    except ValueError as err:
+        raise ConfigError(f"{keys}, rollout.fp8 = {str(rc.fp8).lower()}: {err}") from None
 
 
 def environment_tools(cfg: RLConfig) -> list[dict] | None:

@@ -97,11 +97,26 @@ def test_a_bad_environment_stops_before_anything_is_written(tmp_path, capsys, ov
     assert not run.exists()
 
 
-@pytest.mark.parametrize("key", ["rollout.tensor_parallel=2", "rollout.expert_parallel=2"])
-def test_a_parallel_rollout_layout_is_refused_until_the_worker_runs_it(tmp_path, capsys, key):
-    """`ebpo plan` sizes tensor / expert parallel rollouts; `ebpo train` refuses them in one line, before anything
-    is written, instead of holding the whole model on one device."""
+@pytest.mark.parametrize("key, value", [("rollout.tensor_parallel", 3), ("rollout.expert_parallel", 3)])
+def test_a_parallel_rollout_layout_the_model_cannot_split_is_refused(tmp_path, capsys, key, value):
+    """The shipped model has 4 attention heads and 8 routed experts: 3 ranks split neither. `ebpo train` refuses
+    in one line naming the key and the allowed values, before anything is written."""
     run = tmp_path / "run"
-    rc, err = _train(capsys, key, f"trainer.run_dir={run}")
-    assert rc == 2 and "does not run the parallel model yet" in _one_line(err) and key.split("=")[0] in err
+    rc, err = _train(capsys, f"{key}={value}", f"trainer.run_dir={run}")
+    line = _one_line(err)
+    assert rc == 2 and f"{key} = {value}" in line and "allowed: [1, 2, 4" in line
     assert not run.exists()
+
+
+def test_a_parallel_rollout_layout_the_model_splits_passes_the_start_up_checks(tmp_path):
+    """tensor_parallel=2, expert_parallel=2 splits the shipped model's 4 heads / 2 KV heads / 8 experts:
+    `check` passes it (the run itself starts a `ParallelRolloutWorker`: tests/rl/test_cluster_parallel.py)."""
+    from ebpo.infra.config import load_config
+    from ebpo.rl.config import RLConfig
+    from ebpo.rl.setup import check
+
+    cfg = load_config(RLConfig, RECIPE, ["rollout.tensor_parallel=2", "rollout.expert_parallel=2",
+                                         f"trainer.run_dir={tmp_path / 'run'}"])
+    run = check(cfg)
+    assert (run.cfg.rollout.tensor_parallel, run.cfg.rollout.expert_parallel) == (2, 2)
+    assert not (tmp_path / "run").exists()
