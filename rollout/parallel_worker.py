@@ -135,15 +135,16 @@ class ParallelRolloutWorker:
                                    daemon=True) for r in range(self.world)]
         for p in self._procs:
             p.start()
-        self._collect("start")
+        self._all("start", send=False)  # each rank reports once it holds its slice of the model
         if weights is not None:
             self.load_weights(weights, weights_version)
 
     # ---- forwarding
-    def _all(self, name: str, *args, **kw) -> list:
+    def _all(self, name: str, *args, send: bool = True, **kw) -> list:
         """Call `name` on every rank's worker with the same arguments; every rank's answer, in rank order (a rank's
-        failure comes back with its traceback; no answer within `timeout_s` is an error)."""
-        for q in self._inbox:
+        failure comes back with its traceback; no answer within `timeout_s` is an error). send=False only waits
+        for every rank's report (their start)."""
+        for q in self._inbox if send else []:
             q.put((name, args, kw))
         got: dict[int, object] = {}
         errors = []
