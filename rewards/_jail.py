@@ -206,7 +206,8 @@ def _drop_capabilities(libc):
 def confine(root, uid, keep_fds, memory_bytes, cpu_s, open_files=16):
     """Confine this (freshly forked, single-threaded) process before it touches anything untrusted: see the
     module docstring. ``root``: the jail tree (None: stay where we are); ``uid``: become it (only as
-    root; None: keep ours); ``keep_fds``: descriptors to keep (0-2 become /dev/null). Raises on failure:
+    root; None: keep ours); ``keep_fds``: descriptors to keep (0-2 become /dev/null); ``memory_bytes``,
+    ``cpu_s``: RLIMIT_AS and RLIMIT_CPU (None: unchanged). Raises on failure:
     a child that cannot be confined must not run the job."""
     libc = _libc()
     null = os.open(os.devnull, os.O_RDWR)
@@ -235,7 +236,8 @@ def confine(root, uid, keep_fds, memory_bytes, cpu_s, open_files=16):
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     for res, val in ((resource.RLIMIT_AS, memory_bytes), (resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_NPROC, 1),
                      (resource.RLIMIT_FSIZE, 0), (resource.RLIMIT_NOFILE, open_files), (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(res, (val, val))
+        if val is not None:  # None: that limit stays as it is
+            resource.setrlimit(res, (val, val))
     if uid is not None and os.geteuid() == 0:
         raise JailError(0, "still root after dropping to the sandbox uid")
 

@@ -1,18 +1,25 @@
-"""The judge: runs the test code, outside the sandbox, and calls the candidate through the channel.
+"""The judge: holds the verdicts, talks to the sandbox's harness, and has each test's code run by a runner.
 
 Started once per reward process (``rewards/judge.py``) as ``python -I -B -c <bootstrap>``, this source
-(after ``_plain.py``'s) on stdin. Standard library only. The long-lived process only waits: for each
-sample the parent sends the sample's job and two descriptors (the channel to the sandbox's harness, and
-the socket the verdicts go back on), and the judge forks a fresh child for that sample, so nothing of
-one sample survives into the next. The child holds every secret of the verdict (the test code, expected
-outputs); it runs each test with its own builtins and binds each name the test needs from the candidate
-to what the candidate reports for it: a plain value, or a proxy that sends the call's arguments as plain
-data and returns the answer decoded as plain data (``_plain.py``). Anything else the candidate answers
-(an object, an exit, a timeout, garbage) is a failed call: it raises ``CallFailed``, which test code
-cannot catch as an ``Exception``, and the test fails whatever the test code does next. Comparisons thus
-run here, on plain values, with this process's builtins.
+(after ``_plain.py``'s, ``_jail.py``'s and ``_judge_runner.py``'s) on stdin. Standard library only. The
+long-lived process only waits: at start it forks the *zygote*, which sets up the jail (``_jail.setup``:
+its own mount, network, IPC and UTS namespaces and a read-only tree with the interpreter and its
+libraries only) and forks the test runners; for each sample the parent sends the sample's job and two
+descriptors (the channel to the sandbox's harness, and the socket the verdicts go back on), and the
+judge forks a fresh child for that sample, so nothing of one sample survives into the next.
+
+The child (the *writer*) holds every secret of the verdict and the only socket verdicts go back on, and
+never runs test code. Stdio tests it judges itself (a comparison of plain text). For a call test it has
+the zygote fork a runner (``_judge_runner.py``): the runner confines itself (the jail tree as its root,
+the sample's sandbox uid, no capabilities, no new process, no file writes), gets this test only, runs its
+code, asks the writer for each name and call it needs from the candidate, and ends with one verdict
+message. The writer makes those requests on the channel (a request for a name the test does not need,
+or anything else, is not made), forwards each answer line as it came, fails the test itself on the
+harness's own records of a failed call, accepts exactly one verdict from the runner (its outcome word
+checked), then kills it. Test code that evaluates what the candidate returns runs with no more authority
+than the candidate and can forge its own test's verdict only: it cannot reach the verdict socket, the
+other tests, or the next sample.
 """
-import builtins
 import gc
 import importlib
 import json
@@ -23,31 +30,20 @@ import socket
 import sys
 import time
 
-try:  # run, this file comes after _plain.py's source; imported (by tests, by linters), it imports it
+try:  # run, this file comes after the others' sources; imported (by tests, by linters), it imports them
     plain_encode  # noqa: B018
 except NameError:
-    from rewards._plain import PlainError, plain_decode, plain_encode
-
-_PARENT_MODULES = ("math", "cmath", "re", "string", "itertools", "functools", "collections", "heapq",
-                   "bisect", "fractions", "decimal", "statistics", "operator")
-
-
-class CallFailed(BaseException):
-    """A call the candidate did not answer with plain data (BaseException: ``except Exception`` in test
-    code does not swallow it)."""
+    from rewards._jail import enter_user_namespace, non_dumpable
+    from rewards._jail import setup as jail_setup
+    from rewards._judge_runner import (_EXIT, _FORK, _HARNESS_WHY, _ITERATION_ENDS, _PARENT_MODULES,  # noqa: F401
+                                       CallFailed, _compiled, interpret, runner_main, valid_why)
+    from rewards._plain import PlainError, plain_decode, plain_encode  # noqa: F401
+else:
+    jail_setup = setup  # noqa: F821 - _jail.py's, in the concatenated source
 
 
 class Deadline(BaseException):
-    """The test's time is up (raised by SIGALRM, repeated until the test gives up). The test is failed
-    when it is raised, so test code that catches it (a bare ``except:``) cannot turn a hang into a pass."""
-
-
-# Exceptions the interpreter itself reads as "the iteration is over": raised by the candidate inside
-# test code they would end an enclosing ``for ... in map(f, ...)`` or ``all(map(...))`` silently, so the
-# test would pass without checking anything (PEP 479's reason). The candidate's raising one is a failed call.
-_ITERATION_ENDS = ("StopIteration", "StopAsyncIteration")
-# What the harness itself reports about a call (its own records, never the candidate's)
-_HARNESS_WHY = ("timeout", "died", "output_limit")
+    """The test's time is up (raised by SIGALRM in the writer, repeated until the test is given up)."""
 
 
 def record_cap(max_output_bytes):
@@ -62,8 +58,9 @@ def record_cap(max_output_bytes):
 class _Chan:
     """The sample's channel to the harness: numbered requests, answers read line by line."""
 
-    def __init__(self, sock, cap):
+    def __init__(self, sock, cap, runner=None):
         self.sock, self.cap, self.buf, self.seq = sock, cap, b"", 0
+        self.runner = runner or {}  # what a runner is started with: the sample's uid, its memory cap
         self.skipping = False  # a line was cut at the cap: the rest of it is dropped when it comes
         self.end = None  # the sample's deadline, known once the harness is ready
         self.total = self.test_timeout = 0.0
@@ -87,32 +84,49 @@ class _Chan:
 
 
 class _Test:
-    """State of the test being judged: what went wrong, and the last exception the candidate raised."""
+    """The writer's state of the test being judged: why it failed, if it did."""
 
     def __init__(self, chan):
         self.chan = chan
-        self.failed = None   # why a call failed: the test fails whatever the test code does after it
-        self.raised = None   # type name of the candidate's last exception
-        self.prefetch = None  # (call key, seq) of the call sent with the test's start
+        self.failed = None   # why a call failed: the test fails whatever its runner reports
+        self.raised = None   # (interpret's bookkeeping for stdio records; runners keep their own)
 
     def request(self, msg, expect):
-        """Send one request; return the candidate's answer (see interpret), or raise CallFailed."""
+        """Send one request; return its answer, interpreted (stdio tests: the harness's record)."""
+        return self.answer(self.request_raw(msg), expect)
+
+    def request_raw(self, msg):
         self.chan.seq += 1
         self.chan.send(dict(msg, seq=self.chan.seq))
-        return self.wait(self.chan.seq, expect)
+        return self.wait_raw(self.chan.seq)
+
+    def answer(self, raw, expect):
+        harness, body = raw
+        return interpret(body, self, expect, harness=harness)
+
+    def forwardable(self, raw, expect):
+        """An answer for a runner: the candidate's line as it came; the harness's own record about a call
+        (why it got no answer) fails the test here, whatever the runner would make of it."""
+        harness, body = raw
+        if harness:
+            interpret(body, self, expect, harness=True)  # always a failed call: raises CallFailed
+        return body
 
     def wait(self, want, expect):
-        """The answer to request ``want``; answers to earlier requests (that timed out here, or a
-        prefetched call the test did not make) are dropped. The harness marks its own records with an
-        ``h`` after the number (``<seq>h {...}``); a line the candidate wrote is always ``<seq> <line>``,
-        so it can never pass for one of them."""
+        return self.answer(self.wait_raw(want), expect)
+
+    def wait_raw(self, want):
+        """(harness record?, body) of the answer to request ``want``; answers to earlier requests (that timed
+        out here, or a prefetched call the test did not make) are dropped. The harness marks its own records
+        with an ``h`` after the number (``<seq>h {...}``); a line the candidate wrote is always
+        ``<seq> <line>``, so it can never pass for one of them."""
         mine, ours = b"%d" % want, b"%dh" % want
         while True:
             seq, _, body = self._line().partition(b" ")
             if seq == mine:
-                return interpret(body, self, expect)
+                return False, body
             if seq == ours:
-                return interpret(body, self, expect, harness=True)
+                return True, body
             if seq == b"0h" and body == b'{"ready": 1}':  # written by the harness, before any candidate
                 self.chan.ready()
 
@@ -143,58 +157,115 @@ class _Test:
         raise CallFailed(why)
 
 
-def interpret(body, test, expect, harness=False):
-    """What one answer line means, for a request of kind ``expect`` ("call", "resolve" or "stdio");
-    ``harness``: the line is the harness's own record (stdio results, and why a call got no answer),
-    else the candidate wrote it. Every branch ends in a plain value, an exception of the judge's own
-    builtins, or CallFailed; the last branch takes any record not foreseen as a failed call. What goes
-    into the outcome (``test.failed``, ``test.raised``) is one of a fixed set of words, or an
-    identifier after ``raised:``: the candidate cannot write a status that people read."""
-    try:
-        msg = json.loads(body)
-    except (ValueError, RecursionError, UnicodeDecodeError):
-        return test.fail("bad_record")
-    if type(msg) is not dict:
-        return test.fail("bad_record")
-    if harness:
-        if expect == "stdio" and type(msg.get("stdout")) is str:
-            return msg
-        if msg.get("h") in _HARNESS_WHY:
-            return test.fail(msg["h"])
-        return test.fail("bad_record")
-    if expect == "call" and "v" in msg:
-        try:
-            return plain_decode(msg["v"])
-        except PlainError:
-            return test.fail("bad_value")
-    if expect == "resolve" and type(msg.get("names")) is dict:
-        return msg["names"]
-    name = msg.get("raised")
-    if type(name) is str and len(name) <= 40 and name.isascii() and name.isidentifier():
-        test.raised = name
-        cls = getattr(builtins, name, None)
-        if name in _ITERATION_ENDS:
-            return test.fail("raised:" + name)
-        if expect == "call" and isinstance(cls, type) and issubclass(cls, Exception):
-            raise cls("raised by the candidate")  # test code may expect it (``except ValueError``)
-        return test.fail("raised:" + name)
-    if "bad" in msg and len(msg) == 1:
-        return test.fail("bad_value")
-    return test.fail("bad_record")  # anything else: a failed call, never a pass
+class RunnerError(Exception):
+    """A runner could not be started or confined: an infrastructure failure, not the candidate's."""
 
 
-def _proxy(test, name):
-    def call(*args, **kwargs):
+MIN_BUDGET_S = 0.05  # a test started ahead still gets this long once the sample's total is spent
+_RUNNERS = {"zygote": None}  # the zygote's socket (main); None: runners are forked here (in-process tests)
+
+
+class _Runner:
+    """One call test's runner, seen from the writer: its socket, its process, its requests."""
+
+    def __init__(self):
+        self.sock, self.buf, self.pid, self.pidfd, self.child = None, b"", None, None, False
+
+    def start(self, job, budget):
+        """Have a runner started (by the zygote; forked here where none runs) and wait until it is confined.
+        Raises RunnerError when it cannot be started or confined."""
+        self.sock, theirs = socket.socketpair()
+        cfg = {"uid": job.get("uid"), "memory_bytes": job.get("memory_bytes"), "cpu_s": int(budget) + 2}
         try:
-            a, k = plain_encode(list(args)), plain_encode(dict(kwargs))
-        except PlainError:
-            return test.fail("bad_argument")
-        first, test.prefetch = test.prefetch, None
-        if first and first[0] == (name, json.dumps(a), json.dumps(k)):  # sent with the start: answered already
-            return test.wait(first[1], "call")
-        return test.request({"op": "call", "name": name, "args": a, "kwargs": k}, "call")
-    call.__name__ = call.__qualname__ = name
-    return call
+            if _RUNNERS["zygote"] is None:
+                self.pid, self.child = _FORK(), True
+                if self.pid == 0:  # only where no zygote runs (tests): it sees this process's memory
+                    self.sock.close()
+                    runner_main(theirs, None, cfg["uid"], cfg["memory_bytes"], cfg["cpu_s"])
+            else:
+                socket.send_fds(_RUNNERS["zygote"], [json.dumps(cfg).encode()], [theirs.fileno()])
+        except OSError as e:
+            raise RunnerError("cannot start a test runner: %s" % e) from None
+        finally:
+            theirs.close()
+        first = self.message(1 << 12)  # written before the runner is confined, so it is its own
+        if not first or type(first.get("pid")) is not int:
+            raise RunnerError("the test runner did not start")
+        if not self.child:
+            self.pid, self.pidfd = first["pid"], os.pidfd_open(first["pid"])
+        confined = self.message(1 << 12)  # the same
+        if confined is None or confined.get("confined") != 1:
+            raise RunnerError("the test runner could not be confined: %s"
+                              % str((confined or {}).get("confine_failed", "it exited"))[:200])
+
+    def send(self, flag, body):
+        data = b"%d %d\n" % (flag, len(body)) + body
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # a deadline never splits a frame
+        try:
+            self.sock.sendall(data)
+        except OSError:  # the runner is gone: its verdict (or its absence) says the rest
+            pass
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+
+    def message(self, cap):
+        """The runner's next JSON object (lines that are not one are skipped, a line over ``cap`` dropped
+        whole), or None when it closed its socket."""
+        skipping = False
+        while True:
+            nl = self.buf.find(b"\n")
+            if nl >= 0:
+                line, self.buf = self.buf[:nl], self.buf[nl + 1:]
+                if skipping or nl > cap:
+                    skipping = False
+                    continue
+                try:
+                    obj = json.loads(line)
+                except (ValueError, RecursionError, UnicodeDecodeError):
+                    continue
+                if type(obj) is dict:
+                    return obj
+                continue
+            if len(self.buf) > cap:
+                self.buf, skipping = b"", True
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                return None
+            self.buf += chunk
+
+    def kill(self):
+        """SIGKILL the runner and wait until it is gone (it cannot fork: nothing of it is left after)."""
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            elif self.child and self.pid:
+                os.kill(self.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        if self.child and self.pid:
+            try:
+                os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                pass
+        elif self.pidfd is not None:
+            _wait_readable(self.pidfd, 2.0)
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+        if self.sock is not None:
+            self.sock.close()
+
+
+def _wait_readable(fd, timeout_s):
+    import select
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if p.poll(max(0.0, end - time.monotonic()) * 1000):
+                return
+        except InterruptedError:
+            continue
 
 
 def start_message(ch, spec):
@@ -211,29 +282,6 @@ def start_message(ch, spec):
                         "kwargs": first["kwargs"]}
         prefetch = ((first["name"], json.dumps(first["args"]), json.dumps(first["kwargs"])), ch.seq)
     return msg, prefetch
-
-
-def _bind(test, spec, scope):
-    """Start the test's candidate process (unless it was started ahead, see judge_sample); bind each name
-    the test needs to what the candidate reports."""
-    sent = spec.get("sent")
-    if sent is None:
-        msg, prefetch = start_message(test.chan, spec)
-        test.chan.send(msg)
-        sent = (msg["seq"], prefetch)
-    test.prefetch = sent[1]
-    kinds = test.wait(sent[0], "resolve")
-    for name in spec["names"]:
-        kind = kinds.get(name)
-        if kind == ["fn"]:
-            scope[name] = _proxy(test, name)
-        elif type(kind) is list and len(kind) == 2 and kind[0] == "v":
-            try:
-                scope[name] = plain_decode(kind[1])
-            except PlainError:
-                test.fail("bad_value")
-        else:  # missing or not plain: unbound (not the prompt's), the test sees a NameError
-            scope.pop(name, None)
 
 
 def _self_contained(spec):
@@ -264,38 +312,71 @@ def _normalize_output(text):
     return lines
 
 
-_CODE = {}
+def _run_stdio(test, spec):
+    """A stdio test, judged here: the harness's record of the program's run, compared as text."""
+    out = test.request({"op": "start", "i": spec["i"], "kind": "stdio", "budget": spec["budget"],
+                        "stdin": spec["stdin"]}, "stdio")
+    if out.get("status") != "ok":
+        return False, str(out.get("status"))[:40]
+    if spec.get("capture"):  # a tool call: its stdout is the value (text, cut to the spec's bound)
+        test.captured = out["stdout"][: int(spec["capture"])] if type(out.get("stdout")) is str else ""
+        return out.get("exit") == 0, "ok" if out.get("exit") == 0 else "nonzero_exit"
+    if out.get("exit") != 0:
+        return False, "nonzero_exit"
+    ok = _normalize_output(out["stdout"]) == _normalize_output(spec["expected"])
+    return ok, "ok" if ok else "wrong_output"
 
 
-def _compiled(src, label):
-    """Compiled once per sample (a prompt's helpers serve every test of it)."""
-    if src not in _CODE:
-        _CODE[src] = compile(src, label, "exec")
-    return _CODE[src]
+def _runner_verdict(test, v):
+    """The runner's one verdict, checked: a pass is exactly ``[true, "ok"]``, a failure names an outcome word."""
+    if type(v) is not list or len(v) != 2 or type(v[0]) is not bool or not valid_why(v[1]):
+        return False, "bad_verdict"
+    if test.failed:
+        return False, test.failed
+    if v[0]:
+        return (True, "ok") if v[1] == "ok" else (False, "bad_verdict")
+    return (False, v[1]) if v[1] != "ok" else (False, "bad_verdict")
+
+
+def _run_call(test, spec):
+    """A call test: start the candidate's process (unless it was started ahead), have a runner run the test
+    code, and serve its requests until its verdict."""
+    sent = spec.get("sent")
+    if sent is None:
+        msg, prefetch = start_message(test.chan, spec)
+        test.chan.send(msg)
+        sent = (msg["seq"], prefetch)
+    runner = _Runner()
+    try:
+        runner.start(test.chan.runner, spec["budget"])
+        runner.send(0, json.dumps({k: spec.get(k) for k in ("src", "names", "prelude", "i")}).encode())
+        prefetch, resolved = sent[1], False
+        while True:
+            msg = runner.message(test.chan.cap)
+            if msg is None:
+                return False, test.failed or "test_died"
+            if "verdict" in msg:
+                return _runner_verdict(test, msg["verdict"])
+            if msg.get("op") == "resolve" and not resolved:
+                resolved = True
+                runner.send(0, test.forwardable(test.wait_raw(sent[0]), "resolve"))
+            elif msg.get("op") == "call" and resolved and msg.get("name") in spec["names"]:
+                key = (msg["name"], json.dumps(msg.get("args")), json.dumps(msg.get("kwargs")))
+                first, prefetch = prefetch, None
+                if first and first[0] == key:  # sent with the start: answered already
+                    raw = test.wait_raw(first[1])
+                else:
+                    raw = test.request_raw({"op": "call", "name": msg["name"], "args": msg.get("args"),
+                                            "kwargs": msg.get("kwargs")})
+                runner.send(0, test.forwardable(raw, "call"))
+            # anything else is not a request this test can make: not made
+    finally:
+        runner.kill()
 
 
 def _run_one(test, spec):
     """Run one test; return (passed, why)."""
-    if spec["kind"] == "stdio":
-        out = test.request({"op": "start", "i": spec["i"], "kind": "stdio", "budget": spec["budget"],
-                            "stdin": spec["stdin"]}, "stdio")
-        if out.get("status") != "ok":
-            return False, str(out.get("status"))[:40]
-        if spec.get("capture"):  # a tool call: its stdout is the value (text, cut to the spec's bound)
-            test.captured = out["stdout"][: int(spec["capture"])] if type(out.get("stdout")) is str else ""
-            return out.get("exit") == 0, "ok" if out.get("exit") == 0 else "nonzero_exit"
-        if out.get("exit") != 0:
-            return False, "nonzero_exit"
-        ok = _normalize_output(out["stdout"]) == _normalize_output(spec["expected"])
-        return ok, "ok" if ok else "wrong_output"
-    scope = {"__name__": "__judge__", "__builtins__": builtins}
-    for m in _PARENT_MODULES:
-        scope[m] = importlib.import_module(m)
-    if spec.get("prelude"):  # helpers the task's prompt defines: trusted task code, run here
-        exec(_compiled(spec["prelude"], "<prompt helpers>"), scope)
-    _bind(test, spec, scope)
-    exec(compile(spec["src"], "<test %d>" % spec["i"], "exec"), scope)
-    return True, "ok"
+    return _run_stdio(test, spec) if spec["kind"] == "stdio" else _run_call(test, spec)
 
 
 def _guarded(test, spec):
@@ -313,11 +394,11 @@ def _verdict(test, spec):
         ok, why = False, "timeout"
     except CallFailed as e:
         ok, why = False, str(e)
-    except AssertionError:
-        ok, why = False, "raised:" + test.raised if test.raised else "assert_failed"
-    except BaseException as e:  # the test code's own error, or one the candidate's exception caused
-        ok, why = False, "raised:" + test.raised if test.raised else "assert_raised:" + type(e).__name__
-    if test.failed:  # a failed call fails the test even when the test code caught it
+    except RunnerError:
+        raise
+    except BaseException as e:  # the writer's own code failed on this test: never a pass
+        ok, why = False, "judge_error:" + type(e).__name__
+    if test.failed:  # a failed call fails the test whatever its runner reported
         return False, test.failed
     return ok, why
 
@@ -328,7 +409,6 @@ _ARMED = [None]  # the test whose deadline SIGALRM enforces now (None: the alarm
 def _alarm(*_):
     test = _ARMED[0]
     if test is not None:
-        # failed before it is raised: test code that catches it (``except:``) cannot make it a pass
         test.failed = test.failed or "timeout"
         raise Deadline()
 
@@ -336,10 +416,13 @@ def _alarm(*_):
 def judge_sample(job, chan, out):
     """Run every test of one sample in order, each within its own deadline and the sample's total. The
     sample's clock starts when the harness says it is ready (its start-up has the parent's margin); the
-    first test is sent before that, so the sandbox starts it at once, and its alarm is re-armed then."""
+    first test is sent before that, so the sandbox starts it at once, and its alarm is re-armed then.
+    Writes ``{"pid"}``, one verdict per test in order, then ``{"done": 1}``; ``{"error"}`` instead when a
+    runner cannot be started or confined (an infrastructure failure)."""
     out.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
     signal.signal(signal.SIGALRM, _alarm)
-    ch = _Chan(chan, record_cap(job["max_output_bytes"]))
+    ch = _Chan(chan, record_cap(job["max_output_bytes"]),
+               {"uid": job.get("uid"), "memory_bytes": job.get("memory_bytes")})
     ch.total, ch.test_timeout = job["total_timeout_s"], job["test_timeout_s"]
     tests, ahead = list(job["tests"]), 0
     for i, spec in enumerate(tests):
@@ -354,12 +437,15 @@ def judge_sample(job, chan, out):
         if budget <= 0.001 and "sent" not in spec:  # the total is spent: the rest time out without starting
             out.sendall(json.dumps({"i": i, "ok": False, "why": "timeout", "budget": 1}).encode() + b"\n")
             continue
-        budget = max(budget, 0.05)  # started ahead: the harness answers at once that its time is up
+        budget = max(budget, MIN_BUDGET_S)  # started ahead: the harness answered, or answers that time is up
         test = _Test(ch)
         # before the harness is ready: a generous alarm, re-armed with the real budget at ready
         signal.setitimer(signal.ITIMER_REAL, budget if ch.end is not None else budget + ch.total, 0.05)
         try:
             ok, why = _verdict(test, dict(spec, i=i, budget=budget))
+        except RunnerError as e:
+            out.sendall(json.dumps({"error": str(e)[:300]}).encode() + b"\n")
+            return
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
         verdict = {"i": i, "ok": bool(ok), "why": str(why)[:60]}
@@ -383,21 +469,90 @@ def _recv_exact(sock, n):
     return buf
 
 
+def _zygote(zsock):
+    """The runners' parent, forked from the judge before any sample (its memory holds none): set the jail
+    up, then fork one runner per request (a JSON config and the runner's socket). Ends when every writer
+    and the judge have closed their end."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    non_dumpable()
+    # what the judge held (its control socket; its end of ours, which may be descriptor 0 since the judge
+    # closed its stdin) is not ours to keep: we end when every holder of that end has closed it
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in [int(fd) for fd in os.listdir("/proc/self/fd")]:
+        if fd != zsock.fileno() and fd != null:
+            try:
+                if fd <= 2:
+                    os.dup2(null, fd)
+                else:
+                    os.close(fd)
+            except OSError:
+                pass
+    os.close(null)
+    if os.geteuid() != 0:
+        try:
+            enter_user_namespace()
+        except OSError:
+            pass
+    mode, root = jail_setup()
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(zsock, 4096, 1)
+        except OSError:
+            break
+        if not msg:
+            break
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            continue
+        cfg = json.loads(msg)
+        if _FORK() == 0:
+            zsock.close()
+            runner_main(socket.socket(fileno=fds[0]), root, cfg["uid"], cfg["memory_bytes"], cfg["cpu_s"])
+        os.close(fds[0])
+    if mode == "chroot":
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
+    _EXIT(0)
+
+
+def _start_runners():
+    """Fork the zygote (before any sample); the writers ask it for runners over a SOCK_SEQPACKET pair."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = _FORK()
+    if pid == 0:
+        _zygote(theirs)
+    theirs.close()
+    _RUNNERS["zygote"] = ours
+    return pid
+
+
 def main():
     """Wait for samples on the control socket; fork one child per sample."""
-    import ctypes
-    try:  # non-dumpable: a same-uid candidate (rlimits mode without root) cannot ptrace or read us
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
-    except Exception:
-        pass
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    non_dumpable()  # a same-uid candidate (rlimits mode without root) cannot ptrace or read us
     ctl = socket.socket(fileno=int(sys.argv[1]))
-    for m in _PARENT_MODULES:  # imported once here, inherited by every sample's child
+    for m in _PARENT_MODULES:  # imported once here, inherited by every sample's child and every runner
         importlib.import_module(m)
+    zygote = _start_runners()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     # What exists now is never collected: the children's garbage collector then does not walk (and so
     # copy, page by page) the memory they share with us.
     gc.collect()
     gc.freeze()
+    try:
+        _serve(ctl)
+    finally:
+        _RUNNERS["zygote"].close()
+        _RUNNERS["zygote"] = None
+        try:
+            os.waitpid(zygote, 0)
+        except ChildProcessError:  # reaped by the kernel already
+            pass
+
+
+def _serve(ctl):
     while True:
         try:
             head, fds, _, _ = socket.recv_fds(ctl, 10, 2)

@@ -26,7 +26,7 @@ def _source(name: str) -> bytes:
 
 
 # The candidate's and the judge's halves of the plain-data format are one source (see _plain.py).
-JUDGE_SRC = _source("_plain.py") + b"\n" + _source("_judge.py")
+JUDGE_SRC = b"\n".join(_source(n) for n in ("_plain.py", "_jail.py", "_judge_runner.py", "_judge.py"))
 _BOOT = ("import os, sys\n"
          "def r(n):\n"
          "    b = b''\n"

@@ -319,6 +319,7 @@ class _Session:
         self.records: list = [None] * n_tests
         self.ready, self.done, self.judged, self.current, self.reason = None, False, False, None, ""
         self.judge_pidfd, self.v_closed, self.vbuf = None, False, bytearray()
+        self.got_pid, self.next_verdict, self.infra_error = False, 0, None
         self.stderr = bytearray()
         self.hard_end = time.monotonic() + limits.total_timeout_s + RUN_GRACE_S
         self.test_end = None
@@ -349,22 +350,35 @@ class _Session:
             self.done, self.test_end = True, None
 
     def _verdict(self, line: bytes) -> None:
-        """One line from the judge (trusted: it never parses candidate bytes into anything but plain data)."""
+        """One line from the judge's writer for this sample, the only process holding this socket (test code
+        runs in runners that cannot reach it). Accepted in the protocol's order only: its pid first, then
+        exactly one verdict per test, test 0 first, then ``done`` once every test has one; a line out of
+        that order, or one the protocol does not have, is ignored."""
         try:
             obj = json.loads(line)
         except (ValueError, RecursionError):  # a judge killed mid-line
             return
-        if isinstance(obj.get("pid"), int):
-            try:
-                self.judge_pidfd = os.pidfd_open(obj["pid"])
-            except OSError:
-                pass
-        elif isinstance(obj.get("i"), int) and 0 <= obj["i"] < len(self.verdicts):
-            self.verdicts[obj["i"]] = (bool(obj["ok"]), str(obj["why"]))
+        if not isinstance(obj, dict):
+            return
+        if self.judge_pidfd is None and not self.got_pid:
+            if type(obj.get("pid")) is int:
+                self.got_pid = True
+                try:
+                    self.judge_pidfd = os.pidfd_open(obj["pid"])
+                except OSError:
+                    pass
+            return
+        if type(obj.get("error")) is str:  # a runner could not be started or confined: not the candidate's
+            self.infra_error = obj["error"][:300]
+            self.judged = True
+        elif obj.get("i") == self.next_verdict and self.next_verdict < len(self.verdicts) \
+                and type(obj.get("ok")) is bool and type(obj.get("why")) is str:
+            self.verdicts[self.next_verdict] = (obj["ok"], obj["why"][:60])
             if type(obj.get("out")) is str:
-                self.outputs[obj["i"]] = obj["out"]
+                self.outputs[self.next_verdict] = obj["out"]
+            self.next_verdict += 1
             self.test_end = time.monotonic() + TEST_GRACE_S
-        elif obj.get("done"):
+        elif obj.get("done") == 1 and self.next_verdict == len(self.verdicts):
             self.judged = True
 
     def run(self) -> None:
@@ -507,13 +521,13 @@ def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo,
     (the sandbox did not start)."""
     ns_mode = info.mode in ("bwrap", "unshare")
     harness = harness_code(info.python)  # before anything starts: a failure here leaves nothing behind
-    chan, verdicts = judge_proc.open_sample({
-        "tests": tests, "test_timeout_s": limits.test_timeout_s, "total_timeout_s": limits.total_timeout_s,
-        "max_output_bytes": limits.max_output_bytes, "memory_bytes": max(2 << 30, 2 * (limits.memory_mb << 20))})
+    chan = verdicts = None
+    judge_job = {"tests": tests, "test_timeout_s": limits.test_timeout_s, "total_timeout_s": limits.total_timeout_s,
+                 "max_output_bytes": limits.max_output_bytes,
+                 "memory_bytes": max(2 << 30, 2 * (limits.memory_mb << 20))}
     job = {"code": code, "total_timeout_s": limits.total_timeout_s, "max_output_bytes": limits.max_output_bytes,
            "kill_all": info.dedicated_uid or ns_mode, "sys_path": [os.path.realpath(p) for p in limits.site_packages],
            "private_tmp_bytes": (limits.tmp_mb << 20) if info.mode == "unshare" else 0,
-           "channel_fd": chan.fileno(),
            "limits": {"cpu_s": int(limits.test_timeout_s) + 2, "memory_bytes": limits.memory_mb << 20,
                       "max_procs": limits.max_procs, "file_size_bytes": limits.file_size_mb << 20,
                       "open_files": limits.open_files}}
@@ -522,7 +536,12 @@ def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo,
     end = time.monotonic() + wall_bound_s(limits)  # the whole call, clean-up included, ends by then
     slot = Slot(info.dedicated_uid)
     try:
-        with slot as uid:
+        # the judge's test runners take a sandbox uid of their own: test code has no more authority than the
+        # candidate, and neither can signal the other (the harness's kill(-1) as the candidate's uid after
+        # each test, in rlimits mode, would reach a runner of that uid)
+        with slot as uid, Slot(info.dedicated_uid) as runner_uid:
+            chan, verdicts = judge_proc.open_sample(dict(judge_job, uid=runner_uid))
+            job["channel_fd"] = chan.fileno()
             work = None if ns_mode else tempfile.mkdtemp(prefix="ebpo-sbx-")
             try:
                 if work and uid is not None:
@@ -551,8 +570,11 @@ def run_tests(code: str, tests: list[dict], limits: Limits, info: SandboxInfo,
                 if work and not remove_path(work, cleanup_end):
                     sandbox_cleaner.submit(lambda deadline: remove_path(work, deadline), lambda _: None)
     finally:
-        chan.close()
-        verdicts.close()
+        for sock in (chan, verdicts):
+            if sock is not None:
+                sock.close()
+    if session.infra_error is not None:
+        raise SandboxError(f"the judge could not run the tests: {session.infra_error}")
     if session.ready is None:
         raise SandboxError(f"sandbox ({info.mode}) did not start: rc={proc.returncode} {session.reason} "
                            f"stderr={session.stderr.decode('utf-8', 'replace')[-300:]!r}")

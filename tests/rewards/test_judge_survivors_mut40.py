@@ -42,7 +42,8 @@ def test_a_name_reported_as_a_value_that_is_not_plain_fails_and_one_not_reported
 
 
 def test_test_code_runs_as_the_judge_module_and_its_code_carries_its_labels(monkeypatch):
-    monkeypatch.setattr(J, "_CODE", {})  # compiled here, not found compiled by an earlier test
+    from rewards import _judge_runner
+    monkeypatch.setattr(_judge_runner, "_CODE", {})  # compiled here, not found compiled by an earlier test
     src = ("assert __name__ == '__judge__'\n"
            "assert helper.__code__.co_filename == '<prompt helpers>'\n"
            "assert (lambda: 0).__code__.co_filename == '<test 1>'")
@@ -190,10 +191,13 @@ def test_self_contained_tests_go_to_the_harness_in_runs_ahead_of_their_verdicts(
     assert _v(recs) == [(True, "ok")] * 6 and h.late == []
 
 
-def test_a_test_started_ahead_is_judged_on_the_harness_s_answer_after_the_total_ran_out():
+def test_a_test_started_ahead_is_judged_on_the_harness_s_answer_after_the_total_ran_out(monkeypatch):
     """Tests 0 and 1 start together (self-contained); test 0 spends the sample's whole time after its call, so
     test 1's turn comes with nothing left: its answer was in before, and it is judged on it. Test 2, never
     started, times out under its own index; no alarm is left armed afterwards."""
+    # here a runner is a fork of this (large) test process, not of the judge's small zygote: give the test
+    # started ahead time for that once the total is spent
+    monkeypatch.setattr(J, "MIN_BUDGET_S", 1.0)
     first = {"name": "f", "args": plain_encode([1]), "kwargs": plain_encode({})}
     tests = [{"kind": "call", "src": "assert f(1) == 2\nwhile True:\n    pass", "names": ["f"], "first": first},
              {"kind": "call", "src": "assert f(1) == 2", "names": ["f"], "first": first},
