@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ebpo.rl.sharding import balance_by_tokens, loss_weight, padded_lengths, token_microbatches
 from tests.support.models import small_lm
 
 
@@ -125,27 +124,6 @@ def _assert_same_update(a, b):
         for k in ("actor/pg_loss", "actor/log_ratio_mean", "actor/grad_norm", "likelihood/elbo_seq_mean",
                   "likelihood/block_per_token_mean"):
             assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-5), k
-
-
-def test_sharding_plans_are_balanced_deterministic_and_cover_every_row():
-    tokens = torch.tensor([4, 32, 8, 28, 4, 16, 8, 20])
-    rows = torch.tensor([5, 0, 7, 3, 1, 6, 2, 4])
-    shares = balance_by_tokens(rows, tokens, 2)
-    assert sorted(torch.cat(shares).tolist()) == sorted(rows.tolist())
-    loads = [int(tokens[s].sum()) for s in shares]
-    assert abs(loads[0] - loads[1]) <= int(tokens.max())  # greedy longest-first bound
-    # every rank keeps the minibatch's own order of its rows
-    for share in shares:
-        pos = [rows.tolist().index(r) for r in share.tolist()]
-        assert pos == sorted(pos)
-    assert balance_by_tokens(rows, tokens, 1)[0] is rows
-    micro = token_microbatches(rows, tokens, budget=40)
-    assert sorted(torch.cat(micro).tolist()) == sorted(rows.tolist())
-    for m in micro:  # within budget unless a single row is longer than it
-        assert len(m) == 1 or len(m) * int(tokens[m].max()) <= 40
-    assert token_microbatches(rows, tokens, 0)[0] is rows
-    assert padded_lengths(torch.tensor([1, 4, 5]), 4).tolist() == [4, 4, 8]
-    assert loss_weight(4, 4) == 1.0 and loss_weight(1, 4) == 0.25
 
 
 @pytest.mark.parametrize("budget", [0, 48])

@@ -1,4 +1,5 @@
-"""Held-out correctness is decided by the judging rewards only; shaping rewards (judge: false) shape training."""
+"""One RL step (ebpo.rl.step): held-out correctness is decided by the judging rewards only; shaping rewards (judge:
+false) shape training."""
 import pytest
 
 from ebpo.infra.config import build

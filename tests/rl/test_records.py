@@ -1,16 +1,20 @@
-"""Rules of the RL records and of the weight versions that no happy-path test pins (issue 40): `StepRecord`
-refuses a keep mask of any dtype but bool and a field of the wrong shape; the weight-version bound refuses a
-version newer than the learner's as well as one too old; a restarted rollout worker gets back the version it
-held, not the newest one published."""
-import itertools
-import types
+"""The records that cross between the RL roles (ebpo.rl.records), checked against their docstrings.
+
+* `StepRecord` refuses a keep mask of any dtype but bool and a field of the wrong shape; `RolloutSample` and
+  `LearnerBatch` refuse each bad field by name; `build_learner_batch`'s fields, tails and multi-turn rows;
+* per-block weight versions (pad_block_versions, build_learner_batch's block_versions, LearnerBatch's checks):
+  refusals with their exact messages, rows without a list in a batch of several, a version 0 past the batch's
+  blocks, zero-column and zero-row batches;
+* multi-turn samples without Ray: the learner batch scores exactly the model's tokens (checked against a plain
+  loop over the trajectory), refuses a layout that would leak the future, and the rollout worker's multi-turn
+  path returns records that hold together."""
+import functools
+import re
 
 import pytest
 import torch
 
-from ebpo.rl.async_behaviour import check_versions
-from ebpo.rl.records import LearnerBatch, RolloutSample, StepRecord, build_learner_batch
-from ebpo.rl.weights import PolicyWeights, Weights
+from ebpo.rl.records import LearnerBatch, RolloutSample, StepRecord, build_learner_batch, pad_block_versions
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64]
 
@@ -49,109 +53,6 @@ def test_step_record_refuses_each_field_of_the_wrong_shape(B, name):
             _record(B, **{name: bad})
     with pytest.raises(ValueError, match=rf"^StepRecord\.prompt_ids: {B + 1} prompts for {B} samples$"):
         _record(B, prompt_ids=[[1]] * (B + 1))
-
-
-def test_weight_versions_outside_current_minus_s_to_current_are_refused():
-    """Every batch of versions, every learner version c and staleness s: refused exactly when some version is
-    newer than c or older than c - s."""
-    for c, s in itertools.product(range(0, 6), range(0, 4)):
-        for vs in itertools.product(range(c - s - 2, c + 3), repeat=2):
-            ok = all(c - s <= v <= c for v in vs)
-            if ok:
-                check_versions(torch.tensor(vs), c, s)
-            else:
-                with pytest.raises(ValueError, match="weight_version"):
-                    check_versions(torch.tensor(vs), c, s)
-
-
-def test_the_learner_refuses_a_sample_newer_than_its_weights():
-    from ebpo.rl.learner import EBPOLearner, LearnerConfig
-    from tests.rl.test_async_offpolicy import _batch
-    from tests.support.models import small_lm
-
-    model = small_lm()
-    learner = EBPOLearner(model, LearnerConfig(lr=0.01, n_draws=2, seed=0, max_staleness=2))
-    learner.update(_batch(model, 0, [0, 0]))  # the learner is at version 1 now
-    for versions in ([1, 2], [2, 2], [0, 5]):
-        with pytest.raises(ValueError, match="weight_version"):
-            learner.update(_batch(model, 1, versions))
-    learner.update(_batch(model, 1, [0, 1]))  # in range: accepted
-
-
-class _Worker:
-    """A rollout worker as `PolicyWeights` sees it (a ResilientActor): records the versions it loads."""
-
-    def __init__(self):
-        self.loaded, self.restarts = [], 0
-
-    def submit(self, method, *args):
-        return method, args
-
-    def result(self, ticket):
-        method, args = ticket
-        if method == "load_weights":
-            self.loaded.append(args[1])
-
-
-class _Learner:
-    def __init__(self):
-        self.parts = 0
-
-    def weight_parts(self, bucket_bytes):
-        self.parts += 1
-        return f"parts{self.parts}"
-
-
-def _weights(mode="object_store"):
-    cfg = types.SimpleNamespace(weight_sync=mode, bucket_mb=1.0, sync_timeout_s=10.0, learner_gpus=0, rollout_gpus=0)
-    pw = PolicyWeights(None, cfg, lambda msg: None)
-    pw.learner, pw.rollout_workers = _Learner(), [_Worker(), _Worker()]
-    return pw
-
-
-def test_a_restarted_worker_gets_the_version_it_held_not_the_newest_published():
-    """Asynchronous loop: versions are published ahead of the one the workers hold; whichever version is held
-    when a worker restarts, and however many newer ones exist, the restart brings back that version."""
-    for n_published, held in [(3, 1), (3, 2), (3, 3), (5, 1), (5, 4), (2, 0)]:
-        pw = _weights()
-        published = [pw.current()] + [pw.publish() for _ in range(n_published)]
-        assert [w.version for w in published] == list(range(n_published + 1))
-        with pw.holding(published[held]):
-            assert all(w.loaded[-1] == held for w in pw.rollout_workers)
-            r = pw.restart_weights()
-            assert r == {"weights": published[held].ref, "weights_version": held}
-        # after the block the workers still hold that version: a restart then brings it back as well
-        assert pw.restart_weights() == {"weights": published[held].ref, "weights_version": held}
-
-
-def test_holding_a_version_already_held_loads_nothing_and_a_new_one_loads_once():
-    pw = _weights()
-    v = [pw.current()] + [pw.publish() for _ in range(3)]
-    with pw.holding(v[1]):
-        pass
-    with pw.holding(v[1]):
-        pass
-    with pw.holding(None):
-        assert pw.restart_weights()["weights_version"] == 1
-    with pw.holding(v[3]):
-        pass
-    assert all(w.loaded == [1, 3] for w in pw.rollout_workers)
-    assert pw.restart_weights() == {"weights": v[3].ref, "weights_version": 3}
-
-
-def test_synchronous_restart_gets_the_last_synced_version():
-    pw = _weights()
-    assert pw.restart_weights() == {"weights": None, "weights_version": 0}  # the base model before any sync
-    for k in range(1, 4):
-        pw.sync()
-        assert all(w.loaded[-1] == k for w in pw.rollout_workers)
-        assert pw.restart_weights() == {"weights": f"parts{k}", "weights_version": k}
-    pw.detach()
-    assert pw.restart_weights()["weights_version"] == 3
-
-
-def test_weights_record_is_version_and_ref():
-    assert Weights(3, "r") == (3, "r") and Weights(3, "r").version == 3
 
 
 # ------------------------------------------------------------------------------------------------ every check
@@ -282,3 +183,164 @@ def test_build_learner_batch_multi_turn_rows():
     short = build_learner_batch([[5, 6], [7]], [[8, 9], [8, 1, 1, 1, 1]], torch.zeros(2), torch.zeros(2), pad_id=3,
                                 turns=[([False, False, True, True], [0, 0, 1, 1]), None], block_size=K)
     assert short.response_mask[0].tolist() == [False, False, True, True, False, False]
+
+
+def exact(message: str) -> str:
+    return "^" + re.escape(message) + "$"
+
+
+def _fields(B=2, L=8):
+    return dict(input_ids=torch.zeros(B, L, dtype=torch.long), prompt_lens=torch.full((B,), 2),
+                response_mask=torch.ones(B, L, dtype=torch.bool), advantages=torch.zeros(B))
+
+
+@pytest.mark.parametrize("bad, got", [([[0, 1], [1, 1]], "list"), ((0, 1), "tuple"),
+                                      (torch.zeros(3, 2, dtype=torch.long), "(3, 2)"),
+                                      (torch.zeros(2, dtype=torch.long), "(2,)")])
+def test_learner_batch_refuses_block_versions_of_another_shape_naming_what_it_got(bad, got):
+    with pytest.raises(ValueError, match=exact(f"LearnerBatch.block_versions: expected shape (2, nb), got {got}")):
+        LearnerBatch(**_fields(), block_versions=bad)
+
+
+def test_zero_block_columns_keep_the_given_weight_versions():
+    """(B, 0): no row has a decoded block, so each keeps its given weight_version; without one it is refused."""
+    b = LearnerBatch(**_fields(), weight_version=torch.tensor([3, 5]), block_versions=torch.zeros(2, 0, dtype=torch.long))
+    assert b.weight_version.tolist() == [3, 5]
+    with pytest.raises(ValueError, match="row 0 has no decoded block; give weight_version"):
+        LearnerBatch(**_fields(), block_versions=torch.zeros(2, 0, dtype=torch.long))
+
+
+def test_rows_without_a_list_get_their_weight_version_on_their_scored_blocks():
+    """Several rows without block_versions in one batch: each row's blocks holding a scored position get that
+    row's weight_version, the others -1 (a plain per-block loop over the response positions)."""
+    K = 4
+    prompts = [[1, 2, 3], [4] * 6, [5], [6, 7]]
+    responses = [[9] * 6, [9] * 2, [9] * 11, [9] * 3]
+    versions = [4, 7, 2, 9]
+    lists = [[], None, [2, 3, 2], []]  # rows 0, 1, 3 without one (row 2: its oldest is its weight_version)
+    b = build_learner_batch(prompts, responses, torch.zeros(4), torch.arange(4), pad_id=0, weight_version=versions,
+                            block_size=K, block_versions=lists)
+    L = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    nb = -(-L // K)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if lists[i]:
+            want = lists[i] + [-1] * (nb - len(lists[i]))
+        else:
+            scored_blocks = {j // K for j in range(len(p), len(p) + len(r))}
+            want = [versions[i] if blk in scored_blocks else -1 for blk in range(nb)]
+        assert b.block_versions[i].tolist() == want, i
+
+
+def test_block_versions_need_a_block_size():
+    with pytest.raises(ValueError, match=exact("build_learner_batch: block_versions need block_size")):
+        build_learner_batch([[1]], [[2]], torch.zeros(1), torch.zeros(1), pad_id=0, weight_version=[0],
+                            block_versions=[[0]])
+
+
+def test_pad_block_versions_refusals_name_the_rows_and_the_block():
+    with pytest.raises(ValueError, match=exact("block_versions: 1 lists for 2 rows")):
+        pad_block_versions([[0]], 2, 3)
+    for past_version in (0, 4):  # version 0 is a version like any other
+        rows = [[0, 0], [1, 1, -1, -1, past_version, 2]]
+        with pytest.raises(ValueError, match=exact("block_versions: row 1 has a version for block 4, past the "
+                                                   "batch's 3 blocks")):
+            pad_block_versions(rows, 2, 3)
+    out = pad_block_versions([[0, 1], [2, -1, 3, -1, -1]], 2, 3)  # -1 past the batch is fine
+    assert out.tolist() == [[0, 1, -1], [2, -1, 3]] and out.dtype == torch.long
+
+
+def test_an_empty_mapping_batch_gets_empty_block_versions():
+    """from_mapping with zero rows and an empty list of per-row lists: a (0, 0) block_versions."""
+    b = LearnerBatch.from_mapping({"input_ids": torch.zeros(0, 4, dtype=torch.long), "prompt_lens": [],
+                                   "advantages": [], "block_versions": []}, eos_id=1)
+    assert tuple(b.block_versions.shape) == (0, 0) and b.block_versions.dtype == torch.long
+
+
+K = 4
+
+
+def trajectory(prompt, turns):
+    """A plain-data trajectory: `turns` = [(model ids, observation ids or None)], model ids block-aligned."""
+    ids, gen, seg = list(prompt), [False] * len(prompt), [0] * len(prompt)
+    for t, (model, obs) in enumerate(turns):
+        ids += model
+        gen += [True] * len(model)
+        seg += [2 * t + 1] * len(model)
+        if obs:
+            ids += obs
+            gen += [False] * len(obs)
+            seg += [2 * t + 2] * len(obs)
+    return {"prompt_ids": list(prompt), "ids": ids, "generated": gen, "segment": seg, "turns": []}
+
+
+def sample_of(traj):
+    return RolloutSample(token_ids=traj["ids"][len(traj["prompt_ids"]):], text="", num_forwards=1, tpf=1.0,
+                         num_edits=0, finished_by_eos=True, trajectory=traj)
+
+
+def test_learner_batch_scores_only_generated_tokens():
+    # prompt of 6 (the first turn shares the prompt's last block), turn 1 ends on a block boundary, a
+    # 3-token observation, turn 2 starts inside the observation's block (decoded with it visible)
+    t = trajectory([1, 2, 3, 4, 5, 6], [([7, 8], [50, 51, 52]), ([9, 10, 11, 12, 13], None)])
+    assert len(t["ids"]) == 16
+    single_prompt, single_resp = [1, 2, 3], [20, 21, 2]
+    s = sample_of(t)
+    batch = build_learner_batch([s.prompt_ids, single_prompt], [s.token_ids, single_resp], torch.zeros(2),
+                                torch.arange(2), pad_id=0, turns=[(t["generated"], t["segment"]), None], block_size=K)
+    expected = torch.zeros(2, 16, dtype=torch.bool)
+    for j, g in enumerate(t["generated"]):  # plain loop: the model's tokens, nothing else
+        expected[0, j] = g
+    for j in range(len(single_resp)):
+        expected[1, len(single_prompt) + j] = True
+    assert torch.equal(batch.response_mask, expected)
+    assert batch.input_ids[0].tolist() == t["ids"]
+
+
+def test_learner_batch_refuses_a_turn_sharing_its_block_with_the_future():
+    # turn 1 ends at position 7, inside block 1, and the observation follows in the same block
+    t = trajectory([1, 2, 3, 4, 5, 6], [([7], [50, 51]), ([9, 10, 11], None)])
+    s = sample_of(t)
+    with pytest.raises(ValueError, match="row 0 block 1"):
+        build_learner_batch([s.prompt_ids], [s.token_ids], torch.zeros(1), torch.zeros(1, dtype=torch.long),
+                            pad_id=0, turns=[(t["generated"], t["segment"])], block_size=K)
+
+
+def test_rollout_sample_checks_its_trajectory():
+    t = trajectory([1, 2], [([7, 8], None)])
+    with pytest.raises(ValueError, match="token_ids"):
+        RolloutSample(token_ids=[7], text="", num_forwards=1, tpf=1.0, num_edits=0, finished_by_eos=True, trajectory=t)
+    bad = dict(t, generated=t["generated"][:-1])
+    with pytest.raises(ValueError, match="differ in length"):
+        sample_of(bad)
+    assert sample_of(t).prompt_ids == [1, 2]
+
+
+def test_rollout_worker_multi_turn_records():
+    """The worker's multi-turn path on the shipped tiny agent: every sample is a valid record whose
+    learner row scores the model's tokens only, and the tool's answer is context."""
+    from rewards.envs import make_environment
+    from rollout.worker import RolloutWorker
+
+    from ebpo.infra.data import encode_prompt
+
+    worker = RolloutWorker("tiny-agent", {"preset": "quality"}, num_threads=1,
+                           env_factory=functools.partial(make_environment, "calculator", {"max_turns": 3}),
+                           multiturn={"max_turn_tokens": 96, "max_total_tokens": 320})
+    rows = [{"prompt": "Compute 482*37.", "answer": "17834"}, {"prompt": "What is 482 times 37?", "answer": "17834"}]
+    prompts = [encode_prompt(worker.tokenizer, r["prompt"]) for r in rows]
+    outs = [RolloutSample.from_worker(o) for o in worker.generate(prompts, [1, 2], rows=rows)]
+    K = worker.model.config.block_size
+    called = [o for o in outs if o.trajectory["turns"][0]["tool_calls"]]
+    assert called, "tiny-agent calls the calculator on 'Compute ...'"
+    for o, p in zip(outs, prompts):
+        t = o.trajectory
+        assert o.prompt_ids == p and len(t["ids"]) % K == 0
+        assert o.text == t["turns"][-1]["text"]
+        batch = build_learner_batch([o.prompt_ids], [o.token_ids], torch.zeros(1), torch.zeros(1, dtype=torch.long),
+                                    pad_id=0, turns=[(t["generated"], t["segment"])], block_size=K)
+        scored = [tok for tok, m in zip(batch.input_ids[0].tolist(), batch.response_mask[0].tolist()) if m]
+        model_tokens = [tok for tok, g in zip(t["ids"], t["generated"]) if g]
+        assert scored == model_tokens
+    obs = called[0].trajectory["turns"][0]
+    text = worker.tokenizer.decode(called[0].trajectory["ids"][obs["obs_start"]:obs["obs_end"]])
+    assert "17834" in text and not any(called[0].trajectory["generated"][obs["obs_start"]:obs["obs_end"]])

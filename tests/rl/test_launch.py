@@ -1,5 +1,5 @@
-"""Launching on an existing Ray cluster: embedded-only settings do not break `ray.init`, a Ray job refuses
-a run directory inside its temporary working copy, and (slow) the quickstart submitted as a Ray job writes
+"""Launching on an existing Ray cluster (ebpo.rl.launch): embedded-only settings do not break `ray.init`, a Ray job
+refuses a run directory inside its temporary working copy, and (slow) the quickstart submitted as a Ray job writes
 its checkpoint where the user asked."""
 import os
 import subprocess

@@ -1,6 +1,7 @@
-"""Asynchronous RL through real Ray actors (tiny random model): the pipeline at s = 0 is the synchronous
-loop, the staleness bound holds on every recorded sample, a frozen policy gives importance weights of 1,
-a resumed s = 1 run repeats the uninterrupted one, and a rollout worker killed mid-flight loses nothing."""
+"""The asynchronous RL loop (ebpo.rl.async_loop, ebpo.rl.async_pipeline) through real Ray actors (tiny random model):
+the pipeline at s = 0 is the synchronous loop, the staleness bound holds on every recorded sample, a frozen policy
+gives importance weights of 1, a resumed s = 1 run repeats the uninterrupted one, and a rollout worker killed
+mid-flight loses nothing."""
 import pytest
 
 ray = pytest.importorskip("ray")

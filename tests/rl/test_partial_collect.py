@@ -1,7 +1,7 @@
-"""Partial rollouts through real Ray actors (tiny random model, `trainer.partial_rollouts=true`): unfinished
-groups carry over to later steps with a weight version per block, the lag bound holds, a frozen policy gives
-importance weights of exactly 1, and a run resumed from a checkpoint taken with sequences in flight repeats
-the uninterrupted run."""
+"""Partial rollouts (ebpo.rl.partial_collect, the driver's side) through real Ray actors (tiny random model,
+`trainer.partial_rollouts=true`): unfinished groups carry over to later steps with a weight version per block, the
+lag bound holds, a frozen policy gives importance weights of exactly 1, and a run resumed from a checkpoint taken
+with sequences in flight repeats the uninterrupted run."""
 import pytest
 
 ray = pytest.importorskip("ray")

@@ -1,14 +1,19 @@
-"""Property tests (hypothesis) of the token-budget micro-batch plan (ebpo.rl.sharding.token_microbatches): every
-row exactly once, no micro-batch over the budget unless it is one row, and the plan's cost the minimum over every
-cut of the length-sorted rows into consecutive runs (brute force), ties to the fewest micro-batches."""
+"""How a learner group splits an RL batch (ebpo.rl.sharding): rows to ranks balanced by tokens, then token-budget
+micro-batches.
+
+* the plans are balanced, deterministic and cover every row;
+* property tests (hypothesis) of the token-budget micro-batch plan (`token_microbatches`): every row exactly once,
+  no micro-batch over the budget unless it is one row, and the plan's cost the minimum over every cut of the
+  length-sorted rows into consecutive runs (brute force), ties to the fewest micro-batches."""
 import itertools
 from datetime import timedelta
 
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ebpo.rl.sharding import MICROBATCH_OVERHEAD_TOKENS, token_microbatches
+from ebpo.rl.sharding import (MICROBATCH_OVERHEAD_TOKENS, balance_by_tokens, loss_weight, padded_lengths,
+                              token_microbatches)
+
 
 # bounded: a few seconds per test; no example database written into the tree
 SETTINGS = settings(max_examples=300, deadline=timedelta(seconds=2), database=None,
@@ -74,3 +79,24 @@ def test_the_plan_costs_the_minimum_over_all_cuts(p, overhead):
 
 def test_default_overhead_is_positive():
     assert MICROBATCH_OVERHEAD_TOKENS > 0
+
+
+def test_sharding_plans_are_balanced_deterministic_and_cover_every_row():
+    tokens = torch.tensor([4, 32, 8, 28, 4, 16, 8, 20])
+    rows = torch.tensor([5, 0, 7, 3, 1, 6, 2, 4])
+    shares = balance_by_tokens(rows, tokens, 2)
+    assert sorted(torch.cat(shares).tolist()) == sorted(rows.tolist())
+    loads = [int(tokens[s].sum()) for s in shares]
+    assert abs(loads[0] - loads[1]) <= int(tokens.max())  # greedy longest-first bound
+    # every rank keeps the minibatch's own order of its rows
+    for share in shares:
+        pos = [rows.tolist().index(r) for r in share.tolist()]
+        assert pos == sorted(pos)
+    assert balance_by_tokens(rows, tokens, 1)[0] is rows
+    micro = token_microbatches(rows, tokens, budget=40)
+    assert sorted(torch.cat(micro).tolist()) == sorted(rows.tolist())
+    for m in micro:  # within budget unless a single row is longer than it
+        assert len(m) == 1 or len(m) * int(tokens[m].max()) <= 40
+    assert token_microbatches(rows, tokens, 0)[0] is rows
+    assert padded_lengths(torch.tensor([1, 4, 5]), 4).tolist() == [4, 4, 8]
+    assert loss_weight(4, 4) == 1.0 and loss_weight(1, 4) == 0.25

@@ -1,7 +1,7 @@
 """A user's new tool reaches the model: its name and JSON schema are in the prompt token ids that RL (`ebpo train`
 with `env:`), `ebpo eval --env` and `ebpo generate --env` build, through the chat template's `tools=` argument
-(issue 35 point 6b). The project tokenizer's template renders them; a prompt without tools is what it always was,
-and the shipped tiny-agent, whose template has no tools (it was trained without them), keeps its prompts."""
+(ebpo.rl.prompts for RL). The project tokenizer's template renders them; a prompt without tools is what it always
+was, and the shipped tiny-agent, whose template has no tools (it was trained without them), keeps its prompts."""
 import json
 from pathlib import Path
 

@@ -1,13 +1,16 @@
-"""PolicyWeights in broadcast mode (ebpo/rl/weights.py), against fakes of Ray, the learner and the rollout workers
-that record every call: the group is formed with the documented ranks and device; a sync broadcasts the next
-version to every member; a worker restarted since the group formed, a failed broadcast or a group that cannot form
-makes that sync use the object store and re-forms the group; after MAX_BROADCAST_FAILURES failures in a row the run
-stays on the object store (issue 40: the broadcast paths had no test outside a Ray cluster)."""
+"""The policy's weight versions and their transport (ebpo.rl.weights).
+
+* a restarted rollout worker gets back the version it held, not the newest one published; holding a version
+  already held loads nothing and a new one loads once; the `Weights` record is a version and a reference;
+* broadcast mode, against fakes of Ray, the learner and the rollout workers that record every call: the group is
+  formed with the documented ranks and device; a sync broadcasts the next version to every member; a worker
+  restarted since the group formed, a failed broadcast or a group that cannot form makes that sync use the object
+  store and re-forms the group; after MAX_BROADCAST_FAILURES failures in a row the run stays on the object store."""
 import types
 
 import pytest
 
-from ebpo.rl.weights import PolicyWeights, brief
+from ebpo.rl.weights import PolicyWeights, Weights, brief
 
 
 class Ref:
@@ -302,3 +305,79 @@ def test_published_starts_as_nothing_and_holding_it_loads_nothing():
     assert not calls(log, "load_weights")
     w = pw.current()
     assert w.ref == "parts1" and pw.publish().ref == "parts2" and pw.published.version == 1
+
+
+class _Worker:
+    """A rollout worker as `PolicyWeights` sees it (a ResilientActor): records the versions it loads."""
+
+    def __init__(self):
+        self.loaded, self.restarts = [], 0
+
+    def submit(self, method, *args):
+        return method, args
+
+    def result(self, ticket):
+        method, args = ticket
+        if method == "load_weights":
+            self.loaded.append(args[1])
+
+
+class _Learner:
+    def __init__(self):
+        self.parts = 0
+
+    def weight_parts(self, bucket_bytes):
+        self.parts += 1
+        return f"parts{self.parts}"
+
+
+def _weights(mode="object_store"):
+    cfg = types.SimpleNamespace(weight_sync=mode, bucket_mb=1.0, sync_timeout_s=10.0, learner_gpus=0, rollout_gpus=0)
+    pw = PolicyWeights(None, cfg, lambda msg: None)
+    pw.learner, pw.rollout_workers = _Learner(), [_Worker(), _Worker()]
+    return pw
+
+
+def test_a_restarted_worker_gets_the_version_it_held_not_the_newest_published():
+    """Asynchronous loop: versions are published ahead of the one the workers hold; whichever version is held
+    when a worker restarts, and however many newer ones exist, the restart brings back that version."""
+    for n_published, held in [(3, 1), (3, 2), (3, 3), (5, 1), (5, 4), (2, 0)]:
+        pw = _weights()
+        published = [pw.current()] + [pw.publish() for _ in range(n_published)]
+        assert [w.version for w in published] == list(range(n_published + 1))
+        with pw.holding(published[held]):
+            assert all(w.loaded[-1] == held for w in pw.rollout_workers)
+            r = pw.restart_weights()
+            assert r == {"weights": published[held].ref, "weights_version": held}
+        # after the block the workers still hold that version: a restart then brings it back as well
+        assert pw.restart_weights() == {"weights": published[held].ref, "weights_version": held}
+
+
+def test_holding_a_version_already_held_loads_nothing_and_a_new_one_loads_once():
+    pw = _weights()
+    v = [pw.current()] + [pw.publish() for _ in range(3)]
+    with pw.holding(v[1]):
+        pass
+    with pw.holding(v[1]):
+        pass
+    with pw.holding(None):
+        assert pw.restart_weights()["weights_version"] == 1
+    with pw.holding(v[3]):
+        pass
+    assert all(w.loaded == [1, 3] for w in pw.rollout_workers)
+    assert pw.restart_weights() == {"weights": v[3].ref, "weights_version": 3}
+
+
+def test_synchronous_restart_gets_the_last_synced_version():
+    pw = _weights()
+    assert pw.restart_weights() == {"weights": None, "weights_version": 0}  # the base model before any sync
+    for k in range(1, 4):
+        pw.sync()
+        assert all(w.loaded[-1] == k for w in pw.rollout_workers)
+        assert pw.restart_weights() == {"weights": f"parts{k}", "weights_version": k}
+    pw.detach()
+    assert pw.restart_weights()["weights_version"] == 3
+
+
+def test_weights_record_is_version_and_ref():
+    assert Weights(3, "r") == (3, "r") and Weights(3, "r").version == 3

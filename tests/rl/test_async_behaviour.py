@@ -1,18 +1,23 @@
-"""Block-exact behaviour terms for partial rollouts (`LearnerBatch.block_versions`, `ebpo.rl.async_behaviour`).
+"""Behaviour-policy composites for asynchronous RL (ebpo.rl.async_behaviour) through the learner.
 
-A row decoded under several weight versions (switched at block boundaries) gets the behaviour composite
-sum_b (block b's term under the version that decoded block b). Checked against a plain per-block loop: each
-version's weights loaded into a fresh model, per-block terms on the learner's own noise draws, picked per
-block, summed. Also: one version per row is today's update bit for bit, a frozen policy gives importance
-weights of exactly 1, multi-turn and Levenshtein rows, and the refusals of bad inputs.
-"""
+* Decoupled off-policy updates: a frozen policy gives importance weights of exactly 1, a moving one does not;
+  every batch of versions outside c - s .. c (newer than the learner's weights as well as too old) is refused;
+  a synchronous learner ignores weight versions bit for bit; two learner ranks give the importance weights of one.
+* Block-exact behaviour terms for partial rollouts (`LearnerBatch.block_versions`): a row decoded under several
+  weight versions (switched at block boundaries) gets the behaviour composite sum_b (block b's term under the
+  version that decoded block b). Checked against a plain per-block loop: each version's weights loaded into a
+  fresh model, per-block terms on the learner's own noise draws, picked per block, summed. Also: one version per
+  row is today's update bit for bit, a frozen policy gives importance weights of exactly 1, multi-turn and
+  Levenshtein rows, and the refusals of bad inputs."""
 import copy
+import itertools
 
 import pytest
 import torch
 
 import ebpo.rl.learner as learner_mod
 from ebpo.core.likelihood import all_composites
+from ebpo.rl.async_behaviour import check_versions
 from ebpo.rl.learner import EBPOLearner, LearnerConfig
 from ebpo.rl.records import LearnerBatch, build_learner_batch
 from tests.support.models import small_lm
@@ -302,3 +307,123 @@ def test_learner_refuses_bad_block_versions():
     short = [[-1, 1, 2, 2], [-1, 2, 2, 2]]  # missing trailing columns read as -1 (block 4 is padding)
     m = learner.update(_batch(model, 2, [1, 2], short))
     assert m["actor/is_weight_max"] >= m["actor/is_weight_min"] > 0
+
+
+def _versioned_batch(model, seed, versions):
+    g = torch.Generator().manual_seed(seed)
+    eos, B = model.config.eos_token_id, len(versions)
+    ids = torch.randint(0, eos, (B, 20), generator=g)
+    ids[:, 15:] = eos
+    return {"input_ids": ids, "prompt_lens": torch.full((B,), 5), "advantages": torch.randn(B, generator=g),
+            "weight_version": torch.tensor(versions)}
+
+
+@pytest.mark.parametrize("fields", [{"mu": 1}, {"mu": 2, "minibatch_size": 2, "grad_replay": True}])
+def test_frozen_policy_gives_importance_weights_of_exactly_one(fields):
+    from ebpo.rl.learner import EBPOLearner, LearnerConfig
+
+    def run(lr):
+        model = small_lm()
+        learner = EBPOLearner(model, LearnerConfig(lr=lr, n_draws=2, seed=0, max_staleness=2, **fields))
+        out = [learner.update(_versioned_batch(model, 0, [0, 0, 0, 0]))]
+        out.append(learner.update(_versioned_batch(model, 1, [0, 1, 0, 1])))  # half the rows one version behind
+        out.append(learner.update(_versioned_batch(model, 2, [0, 1, 2, 2])))  # two behind, one behind, fresh
+        assert sorted(learner.snapshots.versions) == [1, 2]  # versions 3 - s .. 2 are kept
+        return out
+
+    for m in run(0.0):
+        assert m["actor/is_weight_min"] == 1.0 and m["actor/is_weight_max"] == 1.0, m
+        assert m["actor/is_truncated_frac"] == 0.0 and m["actor/behav_log_ratio_mean"] == 0.0
+    moving = run(0.05)
+    assert moving[0]["actor/is_weight_max"] == 1.0  # nothing stale yet
+    assert moving[1]["actor/is_weight_min"] != 1.0 or moving[1]["actor/is_weight_max"] != 1.0
+    assert moving[2]["actor/behav_log_ratio_mean"] != 0.0
+
+
+def test_versions_outside_the_staleness_bound_are_refused():
+    from ebpo.rl.learner import EBPOLearner, LearnerConfig
+
+    model = small_lm()
+    learner = EBPOLearner(model, LearnerConfig(lr=0.01, n_draws=2, seed=0, max_staleness=1))
+    learner.update(_versioned_batch(model, 0, [0, 0]))
+    learner.update(_versioned_batch(model, 1, [0, 1]))
+    with pytest.raises(ValueError, match="weight_version"):
+        learner.update(_versioned_batch(model, 2, [0, 2]))  # learner at 2, s = 1: version 0 is two behind
+    with pytest.raises(ValueError, match="max_staleness"):
+        LearnerConfig(max_staleness=-1).validate()
+
+
+def test_synchronous_learner_ignores_weight_versions_bit_for_bit():
+    from ebpo.rl.learner import EBPOLearner, LearnerConfig
+
+    a_model, b_model = small_lm(), small_lm()
+    a = EBPOLearner(a_model, LearnerConfig(lr=0.01, n_draws=2, seed=0))
+    b = EBPOLearner(b_model, LearnerConfig(lr=0.01, n_draws=2, seed=0))
+    batch = _versioned_batch(a_model, 0, [0, 0, 0])
+    plain = {k: v for k, v in batch.items() if k != "weight_version"}
+    ma, mb = a.update(plain), b.update(copy.deepcopy(batch))
+    assert {k: v for k, v in ma.items() if not k.startswith("timing")} == \
+        {k: v for k, v in mb.items() if not k.startswith("timing")}
+    assert all(torch.equal(p, q) for p, q in zip(a_model.parameters(), b_model.parameters()))
+
+
+def _group_worker(rank, world, port, out_path):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from ebpo.rl.learner import EBPOLearner, LearnerConfig
+
+    learner = EBPOLearner(small_lm(), LearnerConfig(num_workers=world, lr=0.01, n_draws=2, seed=0, max_staleness=1,
+                                                  noise="bernoulli"))
+    model = learner.get_model()
+    metrics = [learner.update(_versioned_batch(model, i, v))
+               for i, v in enumerate([[0] * 4, [0, 1, 0, 1], [1, 2, 1, 2]])]
+    if rank == 0:
+        torch.save(metrics, out_path)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def test_two_learner_ranks_give_the_same_importance_weights_as_one(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    out = {}
+    for world in (1, 2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_group_worker, args=(world, port, str(tmp_path / f"w{world}.pt")), nprocs=world, join=True)
+        out[world] = torch.load(tmp_path / f"w{world}.pt", weights_only=False)
+    for one, two in zip(out[1], out[2]):
+        for k in ("actor/is_weight_mean", "actor/is_weight_max", "actor/behav_log_ratio_mean", "actor/pg_loss",
+                  "actor/grad_norm"):
+            assert two[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k
+    assert out[2][2]["actor/behav_log_ratio_mean"] != 0.0  # the stale rows were really scored by version 1
+
+
+def test_weight_versions_outside_current_minus_s_to_current_are_refused():
+    """Every batch of versions, every learner version c and staleness s: refused exactly when some version is
+    newer than c or older than c - s."""
+    for c, s in itertools.product(range(0, 6), range(0, 4)):
+        for vs in itertools.product(range(c - s - 2, c + 3), repeat=2):
+            ok = all(c - s <= v <= c for v in vs)
+            if ok:
+                check_versions(torch.tensor(vs), c, s)
+            else:
+                with pytest.raises(ValueError, match="weight_version"):
+                    check_versions(torch.tensor(vs), c, s)
+
+
+def test_the_learner_refuses_a_sample_newer_than_its_weights():
+    model = small_lm()
+    learner = EBPOLearner(model, LearnerConfig(lr=0.01, n_draws=2, seed=0, max_staleness=2))
+    learner.update(_versioned_batch(model, 0, [0, 0]))  # the learner is at version 1 now
+    for versions in ([1, 2], [2, 2], [0, 5]):
+        with pytest.raises(ValueError, match="weight_version"):
+            learner.update(_versioned_batch(model, 1, versions))
+    learner.update(_versioned_batch(model, 1, [0, 1]))  # in range: accepted

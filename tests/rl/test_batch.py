@@ -1,3 +1,4 @@
+"""Pure helpers of the RL step (ebpo.rl.batch): group filters and the step's reward and rollout metrics."""
 import torch
 
 from ebpo.rl.batch import filter_groups, reward_metrics, rollout_metrics, zero_std_groups
