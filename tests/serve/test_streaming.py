@@ -148,3 +148,19 @@ def slow_stream_server():
     yield service, driver, live
     live.stop()
     driver.close()
+
+
+def test_shutdown_ends_a_stream_in_flight_with_an_error_event(slow_stream_server):
+    service, driver, live = slow_stream_server
+    client = openai.OpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=60)
+    stream = client.chat.completions.create(model="tiny-agent", messages=USER, max_tokens=400, temperature=1.0,
+                                            seed=0, stream=True)
+    assert next(iter(stream)).choices[0].delta.role == "assistant"
+    t0 = time.monotonic()
+    live.terminate()
+    with pytest.raises(openai.APIError, match="shutting down"):
+        for _ in stream:
+            pass
+    live.thread.join(10)
+    assert not live.thread.is_alive() and time.monotonic() - t0 < 0.5 + 1.5
+    assert service.held == 0
