@@ -16,7 +16,7 @@ import torch
 import rollout.compiled as compiled
 from rollout.config import DecodeConfig
 from rollout.engine import Engine
-from rollout.multiturn import MultiTurnConfig, generate_multiturn
+from rollout.multiturn import MultiTurnConfig, TurnDriver, generate_multiturn
 from rollout.sequence import WAITING
 from stub_model_mt40 import K, Rule, ScriptEnv, StubLM, StubTokenizer
 from test_multiturn_mut40 import SCENARIOS, SHORT, _prompt
@@ -60,21 +60,21 @@ def test_multiturn_rollouts_are_the_same_under_a_meta_default_device(case):
 
 def exported_at_a_boundary(model, cfg, waiting: bool, latency: float):
     """A first engine decodes one 10-token prompt, waiting on its environment after two turns (`waiting`, steps
-    of `latency` s) or single-turn up to block 5, drains and exports it. Returns (first engine, the sequence, the
-    MultiTurnConfig, the tokenizer), for a second engine to adopt it."""
+    of `latency` s) or single-turn up to block 5, drains and exports it. Returns (the first engine's multi-turn
+    client, a `TurnDriver`, the sequence, the MultiTurnConfig, the tokenizer), for a second engine to adopt it."""
     mt = MultiTurnConfig(max_turns=3, max_turn_tokens=7, max_total_tokens=80, stop_at_tool_call=False,
                          observation_template="<o>{observation}</o>")
     tok = StubTokenizer()
-    first = Engine(model, cfg, max_batch=1, canvas_len=80, tokenizer=tok, mt=mt)
+    first = TurnDriver(model, cfg, max_batch=1, canvas_len=80, tokenizer=tok, mt=mt)
     prompt = [(3 * j + 1) % 30 for j in range(10)]
     if waiting:
         s = first.submit(prompt, env=ScriptEnv(3, obs=(5,), latency=latency))
         first.run_until(lambda: s.status == WAITING and len(s.turns) == 2)
     else:
-        s = first.submit(prompt)
+        s = first.engine.submit(prompt)  # single-turn: the engine's own
         first.run_until(lambda: s.block >= 5)
     first.drain()
-    (out,) = first.export()
+    (out,) = first.engine.export()
     assert out is s
     return first, s, mt, tok
 
@@ -86,8 +86,8 @@ def _adopted(waiting: bool, static: bool, default_device: str | None):
     model = StubLM(Rule(eos=3, tool=0, c=2))
     first, s, mt, tok = exported_at_a_boundary(model, cfg, waiting, latency=0.05)
     with torch.device(default_device) if default_device else contextlib.nullcontext():
-        second = Engine(model, cfg, max_batch=2, canvas_len=80, tokenizer=tok, mt=mt, runner=first.runner)
-        second.adopt(s)
+        second = TurnDriver(model, cfg, max_batch=2, canvas_len=80, tokenizer=tok, mt=mt, env_runner=first.env_runner)
+        (second if waiting else second.engine).adopt(s)  # a single-turn sequence is the engine's own
         second.run()
     return s.canvas, s.trace, s.stop, [(t.start, t.end, t.text, t.obs_start, t.obs_end) for t in s.turns]
 
@@ -106,7 +106,7 @@ def test_the_slot_tensors_have_their_documented_dtypes():
     for static in (False, True):
         cfg = DecodeConfig.preset("quality", compiled_step=static)
         eng = Engine(StubLM(), cfg, max_batch=3, canvas_len=10)
-        sl = eng.slots
+        sl = eng.runner.slots
         assert [t.dtype for t in (sl.canvas, sl.trace, sl.post_steps, sl.block_iters)] == [torch.long] * 4
         assert sl.canvas.shape == sl.trace.shape == (3, 12) and sl.post_steps.shape == sl.block_iters.shape == (3,)
 
@@ -115,12 +115,13 @@ def test_a_multiturn_prompt_needs_room_for_one_token():
     """A trajectory's first turn needs at least one position after its prompt; a single-turn prompt needs room
     for its max_new_tokens."""
     mt = MultiTurnConfig(max_turns=2, max_turn_tokens=8, max_total_tokens=64, observation_template="<o>{observation}</o>")
-    eng = Engine(StubLM(), DecodeConfig.preset("quality", max_new_tokens=5), max_batch=1, canvas_len=16,
-                 tokenizer=StubTokenizer(), mt=mt)
+    drv = TurnDriver(StubLM(), DecodeConfig.preset("quality", max_new_tokens=5), max_batch=1, canvas_len=16,
+                     tokenizer=StubTokenizer(), mt=mt)
+    eng = drv.engine
     assert eng.T == 16
-    eng.submit([1] * 15, env=ScriptEnv(1))
+    drv.submit([1] * 15, env=ScriptEnv(1))
     with pytest.raises(ValueError, match="a prompt of 16 tokens does not fit the canvas of 16 positions"):
-        eng.submit([1] * 16, env=ScriptEnv(1))
+        drv.submit([1] * 16, env=ScriptEnv(1))
     eng.submit([1] * 11)
     with pytest.raises(ValueError, match="a prompt of 12 tokens does not fit the canvas of 16 positions"):
         eng.submit([1] * 12)

@@ -10,8 +10,12 @@ import torch
 from stub_engine_model import MASK, StubModel, StubTokenizer, ref_multiturn, ref_output, ref_single
 from test_engine_mut40 import K, PROMPTS, _cfg, _run_engine, _stub
 
+import rollout.runners as runners
+import rollout.static_slots as static_slots
 from rollout.engine import Engine
-from rollout.multiturn import MultiTurnConfig
+from rollout.env_steps import StepRunner
+from rollout.multiturn import MultiTurnConfig, TurnDriver
+from rollout.runner import EagerRunner
 from rollout.sequence import FINISHED, WAITING
 
 
@@ -53,12 +57,14 @@ class ScriptEnv:
 
 
 def _mt_engine(stub, cfg, mt, prompts, scripts, T, max_batch=2, runner=None, tool=None, **kw):
+    """A multi-turn client (`TurnDriver`) on a new engine, one trajectory per prompt submitted; returns (the
+    driver, the sequences, the environments, the tokenizer)."""
     tok = StubTokenizer(tool)
     envs = [ScriptEnv(sc) for sc in scripts]
-    eng = Engine(stub, cfg, max_batch=max_batch, canvas_len=T, tokenizer=tok, mt=mt, runner=runner or SyncRunner(),
-                 **kw)
-    seqs = [eng.submit(p, env=e) for p, e in zip(prompts, envs)]
-    return eng, seqs, envs, tok
+    drv = TurnDriver(stub, cfg, max_batch=max_batch, canvas_len=T, tokenizer=tok, mt=mt,
+                     env_runner=runner or SyncRunner(), **kw)
+    seqs = [drv.submit(p, env=e) for p, e in zip(prompts, envs)]
+    return drv, seqs, envs, tok
 
 
 def _check_trajectory(s, ref, env):
@@ -144,7 +150,7 @@ def test_multiturn_max_turn_tokens_ends_a_turn_at_its_block():
 
 
 def test_multiturn_prompt_over_the_budget_and_no_room_left():
-    """A prompt that already fills max_total_tokens ends at admission ("max_total_tokens", nothing decoded); a
+    """A prompt that already fills max_total_tokens ends at submission ("max_total_tokens", nothing decoded); a
     trajectory whose turns leave no room even for an empty observation ends with "max_total_tokens", one where
     only this observation is too long with "observation_overflow" (its text kept, the reason named)."""
     stub = StubModel(K=K, seed=1, eos_rate=0.0)
@@ -251,50 +257,53 @@ def test_run_until_stops_when_asked():
 def test_the_engine_allocates_its_slots():
     stub, cfg = _stub("quality"), _cfg("quality")
     eng = Engine(stub, cfg, max_batch=3, canvas_len=9)
-    assert eng.slots.canvas.shape == (3, 12) and (eng.slots.canvas == MASK).all()
-    assert (eng.slots.trace == -1).all() and eng.slots.post_steps.tolist() == [0, 0, 0]
-    assert eng.slots.block_iters.tolist() == [0, 0, 0] and eng.slots.canvas.dtype == torch.long
-    assert eng.cache.max_len == 12 and eng.cache.batch_size == 3 and eng.free == [0, 1, 2]
-    assert eng.static is None and eng.version == 0 and not eng.holding and eng.runner is None
-    assert Engine(stub, cfg.replace(use_cache=False), max_batch=1, canvas_len=4).cache is None
+    slots, cache = eng.runner.slots, eng.runner.cache
+    assert slots.canvas.shape == (3, 12) and (slots.canvas == MASK).all()
+    assert (slots.trace == -1).all() and slots.post_steps.tolist() == [0, 0, 0]
+    assert slots.block_iters.tolist() == [0, 0, 0] and slots.canvas.dtype == torch.long
+    assert cache.max_len == 12 and cache.batch_size == 3 and eng.free == [0, 1, 2]
+    # the eager runner (no compiled step), and no environment step runner: the engine has no environments
+    assert type(eng.runner) is EagerRunner and eng.version == 0 and not eng.holding
+    assert not any(isinstance(v, StepRunner) for v in vars(eng).values())
+    assert Engine(stub, cfg.replace(use_cache=False), max_batch=1, canvas_len=4).runner.cache is None
 
 
 # ---- the compiled step's side of the engine, with a recording stand-in
 
 
-class RecordingStatic:
-    """Stands in for `rollout.static_slots.StaticSlots`: records what the engine asks of it (static_slots'
-    docstring: `place` on admission, `refill` of [from, to) blocks after an MBE edit or an adopt, `resume` when a
-    turn resumes after its observation)."""
+class RecordingStatic(static_slots.CompiledRunner):
+    """Stands in for `rollout.static_slots.CompiledRunner` (built as it is): records what the engine asks of it
+    (static_slots' docstring: `place` on admission, `refill` of [from, to) blocks after an MBE edit or an adopt,
+    through the compiled runner's own `invalidate` and `load`, `resume` when a turn resumes after its observation)
+    and decodes every row with the eager forward (same tokens, by design)."""
 
     log = []
+    forwarded = []
 
-    def __init__(self, engine):
-        RecordingStatic.log.append(("init", engine.max_batch, engine.T))
+    def __init__(self, model, cfg, **kw):
+        super().__init__(model, cfg, **kw)
+        RecordingStatic.log.append(("init", self.B, self.T))
 
-    def place(self, engine, s):
+    def place(self, s, active):
+        EagerRunner.place(self, s, active)
         RecordingStatic.log.append(("place", s.id, s.slot, s.block, s.start))
 
-    def resume(self, engine, s):
-        RecordingStatic.log.append(("resume", s.id, s.start, s.block, engine.slots.canvas[s.slot, :s.start].tolist()))
+    def resume(self, s, from_block):
+        RecordingStatic.log.append(("resume", s.id, s.start, s.block, self.slots.canvas[s.slot, :s.start].tolist()))
 
-    def refill(self, engine, s, from_block, to_block=None):
+    def refill(self, s, from_block, to_block=None):
         RecordingStatic.log.append(("refill", s.id, from_block, to_block))
+
+    def forward(self, ready, events):
+        RecordingStatic.forwarded.append([s.id for s in ready])
+        return EagerRunner.forward(self, ready, events)
 
 
 @pytest.fixture
 def recording_static(monkeypatch):
-    import rollout.static_slots as static_slots
-
-    RecordingStatic.log = []
-    monkeypatch.setattr(static_slots, "StaticSlots", RecordingStatic)
-    forwarded = []
-
-    def static_forward(engine, ready):  # the eager path then decodes every row (same tokens, by design)
-        forwarded.append([s.id for s in ready])
-        return ready
-    monkeypatch.setattr(static_slots, "static_forward", static_forward)
-    return RecordingStatic.log, forwarded
+    RecordingStatic.log, RecordingStatic.forwarded = [], []
+    monkeypatch.setattr(runners, "CompiledRunner", RecordingStatic)  # what `make_runner` builds
+    return RecordingStatic.log, RecordingStatic.forwarded
 
 
 def test_compiled_step_bookkeeping_single_turn(recording_static):
@@ -303,7 +312,7 @@ def test_compiled_step_bookkeeping_single_turn(recording_static):
     cfg = _cfg("mbe-1", compiled_step=True)
     prompts, lens = PROMPTS[:3], [9, 9, 9]
     eng, seqs = _run_engine(stub, cfg, prompts, lens, 2)
-    assert eng.cache is None and log == [("init", 2, eng.T)]
+    assert eng.runner.cache is None and log == [("init", 2, eng.T)]
     eng.run()
     want_refill = {}
     for s, p, m in zip(seqs, prompts, lens):
@@ -334,15 +343,16 @@ def test_compiled_step_bookkeeping_multiturn_and_adopt(recording_static):
     cfg = _cfg("quality", max_post_steps=0, compiled_step=True)
     mt = MultiTurnConfig(max_turn_tokens=4, max_turns=3, stop_at_tool_call=False, observation_template="{observation}")
     runner = SyncRunner(pending={1})
-    eng, (s,), _, _ = _mt_engine(stub, cfg, mt, [[3, 4, 5]], [[("de", 0, False, {})]], 40, 1, runner=runner)
-    eng.run_until(lambda: s.status == WAITING and len(s.turns) == 2)
+    drv, (s,), _, _ = _mt_engine(stub, cfg, mt, [[3, 4, 5]], [[("de", 0, False, {})]], 40, 1, runner=runner)
+    drv.run_until(lambda: s.status == WAITING and len(s.turns) == 2)
     resumes = [e for e in log if e[0] == "resume"]
     t = s.turns[0]
-    assert resumes == [("resume", 0, t.obs_end, t.obs_end // K, eng.slots.canvas[0, :t.obs_end].tolist())]
-    assert eng.slots.canvas[0, t.obs_start:t.obs_end].tolist() == [3, 4]
-    out = eng.export()
+    canvas = drv.engine.runner.slots.canvas
+    assert resumes == [("resume", 0, t.obs_end, t.obs_end // K, canvas[0, :t.obs_end].tolist())]
+    assert canvas[0, t.obs_start:t.obs_end].tolist() == [3, 4]
+    out = drv.engine.export()
     assert out == [s] and s.status == WAITING
-    other = Engine(stub, cfg, max_batch=2, canvas_len=40, tokenizer=StubTokenizer(), mt=mt, runner=runner)
+    other = TurnDriver(stub, cfg, max_batch=2, canvas_len=40, tokenizer=StubTokenizer(), mt=mt, env_runner=runner)
     log.clear()
     other.adopt(s)
     assert log == [("refill", 0, 0, s.turns[-1].end // K - 1)]
@@ -351,7 +361,7 @@ def test_compiled_step_bookkeeping_multiturn_and_adopt(recording_static):
     eng2.drain()
     eng2.export()
     log.clear()
-    other.adopt(d)
+    other.engine.adopt(d)  # a single-turn sequence: the engine's own, not the multi-turn client's
     assert log == [("refill", 1, 0, None)]
 
 
@@ -366,12 +376,12 @@ def test_a_waiting_trajectory_adopted_into_a_longer_canvas_goes_on_as_before():
                          observation_template="jk{observation}")
     runner = SyncRunner(pending={0})
     script = [("defghdefgh", 0.5, False, {})]
-    eng, (s,), (env,), tok = _mt_engine(stub, cfg, mt, [[3, 4, 5]], [script], 40, 1, runner=runner)
-    eng.run_until(lambda: s.status == WAITING)
-    eng.drain()
-    (out,) = eng.export()
+    drv, (s,), (env,), tok = _mt_engine(stub, cfg, mt, [[3, 4, 5]], [script], 40, 1, runner=runner)
+    drv.run_until(lambda: s.status == WAITING)
+    drv.drain()
+    (out,) = drv.engine.export()
     assert out is s and len(s.generated) == 40
-    other = Engine(stub, cfg, max_batch=1, canvas_len=48, tokenizer=tok, mt=mt, runner=runner)
+    other = TurnDriver(stub, cfg, max_batch=1, canvas_len=48, tokenizer=tok, mt=mt, env_runner=runner)
     other.adopt(s)
     assert len(s.generated) == len(s.segment) == 48 and s.generated[40:] == [False] * 8 and s.segment[40:] == [-1] * 8
     fut, e, text = runner.futures[0]
@@ -401,7 +411,7 @@ def test_generate_sizes_the_compiled_step_s_canvas(recording_static):
 
 
 def test_the_default_runner_runs_env_steps_in_threads():
-    """Without a runner the engine makes its own (`StepRunner`, mt.max_workers threads); the trajectory is the
+    """Without a runner the driver makes its own (`StepRunner`, mt.max_workers threads); the trajectory is the
     same; the clocks (t0, submission, wait and latency) are the engine's monotonic seconds."""
     import time
 
@@ -411,11 +421,12 @@ def test_the_default_runner_runs_env_steps_in_threads():
                          observation_template="jk{observation}", max_workers=2)
     script = [("de", 0.5, False, {})]
     before = time.monotonic()
-    eng = Engine(stub, cfg, max_batch=2, canvas_len=40, tokenizer=StubTokenizer(), mt=mt)
-    assert before <= eng.t0 <= time.monotonic() and eng.runner is not None
+    drv = TurnDriver(stub, cfg, max_batch=2, canvas_len=40, tokenizer=StubTokenizer(), mt=mt)
+    eng = drv.engine
+    assert before <= eng.t0 <= time.monotonic() and drv.env_runner is not None
     envs = [ScriptEnv(script), ScriptEnv(script)]
-    seqs = [eng.submit([3, 4, 5], env=envs[0]), eng.submit([6, 7], env=envs[1])]
-    eng.run()
+    seqs = [drv.submit([3, 4, 5], env=envs[0]), drv.submit([6, 7], env=envs[1])]
+    drv.run()
     after = time.monotonic()
     for s, p, env in zip(seqs, ([3, 4, 5], [6, 7]), envs):
         ref = ref_multiturn(stub, p, ScriptEnv(script).answer, cfg, mt, StubTokenizer(), 40)

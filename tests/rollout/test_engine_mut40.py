@@ -56,6 +56,19 @@ def _run_engine(stub, cfg, prompts, max_new, max_batch, **kw):
     return eng, seqs
 
 
+def _cache_lengths_at_release(eng):
+    """{sequence id: its cache row's length when it left its slot}: the runner gives a finished row's keys/values
+    back (`free`), so what it had committed is read just before."""
+    seen, free = {}, eng.runner.free
+
+    def recording_free(s):
+        seen[s.id] = eng.runner.cache.lengths[s.slot]
+        return free(s)
+
+    eng.runner.free = recording_free
+    return seen
+
+
 def _simulate_slots(forwards, max_batch):
     """The continuous-batching schedule from the module docstring: every step admits queued sequences into the
     free slots (lowest first), one forward runs every active row, a row whose last forward it was frees its slot
@@ -223,6 +236,7 @@ def test_the_prefix_cache_commits_and_truncates_by_the_rule(name):
     stub.forward = spy
     p, m = [3, 4, 5, 6, 7], 15
     eng, (s,) = _run_engine(stub, cfg, [p], [m], 1)
+    released = _cache_lengths_at_release(eng)
     eng.run()
     rs = ref_single(stub, p, m, cfg)
     assert s.canvas == rs.x
@@ -246,7 +260,7 @@ def test_the_prefix_cache_commits_and_truncates_by_the_rule(name):
                 changed = None
         prev = snap
     assert seen == want
-    assert eng.cache.lengths[0] == committed
+    assert released[s.id] == committed
     assert quiet_ends > 0 or name not in ("early-commit-low", "lev-delete-only-no-edit")
 
 
@@ -292,8 +306,9 @@ def test_drain_export_adopt_continues_in_another_engine(name):
     assert [len(s.canvas) for s in out[:2]] == [eng.T, eng.T] and out[2].status == QUEUED
     other = Engine(stub, cfg, max_batch=3, canvas_len=eng.T)
     first = other.submit([9, 9, 9, 9, 9], max_new_tokens=11)
+    released = _cache_lengths_at_release(other)
     other.run()
-    assert other.cache.lengths[0] > 0 and first.status == FINISHED
+    assert released[first.id] > 0 and first.slot == 0 and first.status == FINISHED
     with pytest.raises(ValueError, match=exact("Engine.adopt: sequence 0 is not at a block boundary (status decoding)")):
         Engine(stub, cfg, max_batch=1, canvas_len=eng.T).adopt(Sequence_at_mid_block(out[0]))
     for s in out:
@@ -335,4 +350,4 @@ def test_adopt_refuses_what_does_not_fit():
     s.canvas = s.canvas + [MASK] * 4
     s.trace = s.trace + [-1] * 4
     short.adopt(s)
-    assert short.slots.canvas[0].tolist() == s.canvas[:16]
+    assert short.runner.slots.canvas[0].tolist() == s.canvas[:16]

@@ -125,7 +125,7 @@ def test_adopt_refuses_a_sequence_in_the_middle_of_a_block():
     engine.step()
     assert not s.at_block_boundary or s.status == FINISHED
     other = Engine(model, cfg, max_batch=2, canvas_len=64)
-    s.canvas = engine.slots.canvas[s.slot].tolist()
+    s.canvas = engine.runner.slots.canvas[s.slot].tolist()
     with pytest.raises(ValueError, match="block boundary"):
         other.adopt(s)
 

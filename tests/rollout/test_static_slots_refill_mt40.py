@@ -8,11 +8,12 @@ import torch
 
 import rollout.compiled as compiled
 import rollout.engine as engine_mod
+import rollout.lifecycle as lifecycle
 import rollout.static_slots as static_slots
 from ebpo.model.cache import StaticKVCache
 from rollout.config import DecodeConfig
 from rollout.engine import Engine
-from rollout.multiturn import MultiTurnConfig, generate_multiturn
+from rollout.multiturn import MultiTurnConfig, TurnDriver, generate_multiturn
 from rollout.sequence import FINISHED
 from stub_model_mt40 import K, Rule, ScriptEnv, StubLM, StubTokenizer
 from test_engine_details_mt40 import exported_at_a_boundary
@@ -25,22 +26,22 @@ def _eager_compiled_step(monkeypatch):
 
 
 class RefillLog:
-    """Records every eager forward that `StaticSlots.refill` makes: (sequence id, positions, logits computed),
+    """Records every eager forward that `CompiledRunner.refill` makes: (sequence id, positions, logits computed),
     the sequence taken from the refill call the forward happens in (any other forward is the step's)."""
 
     def __init__(self, monkeypatch, model):
         self.calls: list[tuple[int, list[int], bool]] = []
         self.current = None
-        refill = static_slots.StaticSlots.refill
+        refill = static_slots.CompiledRunner.refill
 
-        def recording_refill(slots, engine, s, from_block, to_block=None):
+        def recording_refill(runner, s, from_block, to_block=None):
             self.current = s.id
             try:
-                return refill(slots, engine, s, from_block, to_block)
+                return refill(runner, s, from_block, to_block)
             finally:
                 self.current = None
 
-        monkeypatch.setattr(static_slots.StaticSlots, "refill", recording_refill)
+        monkeypatch.setattr(static_slots.CompiledRunner, "refill", recording_refill)
 
         def hook(_module, args, kwargs, out):
             if self.current is None:
@@ -70,14 +71,14 @@ def test_refills_cover_the_documented_blocks_once_without_the_head(case, max_bat
     model = StubLM(rule, margin=margin, lev=lev)
     log = RefillLog(monkeypatch, model)
     mbe = []  # (sequence, earliest changed block, ended block) of each MBE window that changed tokens
-    mbe_over = Engine._mbe_over
+    mbe_over = lifecycle.after_mbe
 
     def recording_mbe_over(engine, s):
         if s.mbe_first_changed is not None:
             mbe.append((s.id, s.mbe_first_changed, s.block))
         return mbe_over(engine, s)
 
-    monkeypatch.setattr(Engine, "_mbe_over", recording_mbe_over)
+    monkeypatch.setattr(engine_mod, "after_mbe", recording_mbe_over)  # the engine's own name for it
     engine = Engine(model, cfg, max_batch=max_batch, canvas_len=48)
     for i, p in enumerate(PROMPTS):
         engine.submit(p, torch.Generator().manual_seed(100 + i) if cfg.temperature > 0 else None)
@@ -135,8 +136,8 @@ def test_an_adopted_sequence_is_refilled_up_to_its_step_window(waiting, monkeypa
     model = StubLM(Rule(eos=0, tool=0, c=2))
     first, s, mt, tok = exported_at_a_boundary(model, cfg, waiting, latency=0.3)
     log = RefillLog(monkeypatch, model)
-    second = Engine(model, cfg, max_batch=2, canvas_len=80, tokenizer=tok, mt=mt, runner=first.runner)
-    second.adopt(s)
+    second = TurnDriver(model, cfg, max_batch=2, canvas_len=80, tokenizer=tok, mt=mt, env_runner=first.env_runner)
+    (second if waiting else second.engine).adopt(s)  # a single-turn sequence is the engine's own
     want = _block_range(0, s.turns[-1].end // K - 1) if waiting else _block_range(0, s.block - 1)
     assert log.of(s.id) == want and len(want[0]) >= 2 * K
     second.run()
@@ -148,13 +149,13 @@ def test_a_block_s_end_reads_no_canvas_back(monkeypatch):
     a single-turn block's end uses that flag and never reads the canvas to look for EOS itself, as the eager
     path does."""
     reads = []
-    first_eos = engine_mod.first_eos
+    first_eos = lifecycle.first_eos
 
     def counting(tokens, eos_ids):
         reads.append(len(tokens))
         return first_eos(tokens, eos_ids)
 
-    monkeypatch.setattr(engine_mod, "first_eos", counting)
+    monkeypatch.setattr(lifecycle, "first_eos", counting)  # where a block's end looks for EOS
     for case in sorted(set(range(len(CASES))) - MBE_CASES):  # an MBE window's end is decided by the eager
         # pass, which reads the canvas
         opts, rule, margin, lev = CASES[case]
