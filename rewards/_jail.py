@@ -166,11 +166,12 @@ def _empty_root():
     return d
 
 
-def setup(paths=None):
+def setup(paths=None, empty_root=None):
     """Set the jail up in this (trusted) process: returns ``(mode, root)``. ``namespaces``: own mount,
     network, IPC and UTS namespaces and a read-only tree of ``paths`` (default ``visible_paths()``);
-    ``chroot``: root without namespaces, an empty tree (the network stays open); ``none``: neither
-    (non-root without user namespaces). Call ``enter_user_namespace`` first when not root."""
+    ``chroot``: root without namespaces, an empty tree (``empty_root``, else a new directory the caller
+    removes; the network stays open); ``none``: neither (non-root without user namespaces). Call
+    ``enter_user_namespace`` first when not root."""
     paths = visible_paths() if paths is None else paths
     try:
         _check(_libc().unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
@@ -178,7 +179,7 @@ def setup(paths=None):
         return "namespaces", _build_tree(paths)
     except (JailError, OSError):
         if os.geteuid() == 0 and not _in_user_namespace():
-            return "chroot", _empty_root()
+            return "chroot", empty_root or _empty_root()
         return "none", None
 
 

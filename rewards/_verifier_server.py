@@ -241,12 +241,12 @@ def main(cfg):
     server = Server(cfg)
     gc.collect()
     gc.freeze()
-    if mode == "chroot" or (mode == "auto" and os.geteuid() != 0 and not userns):
+    if mode == "none":
+        server.mode, server.root = "none", None
+    elif mode == "chroot" or (mode == "auto" and os.geteuid() != 0 and not userns):
         server.mode, server.root = ("chroot", cfg["empty_root"]) if os.geteuid() == 0 else ("none", None)
     else:
-        server.mode, server.root = _jail.setup()
-        if server.mode == "chroot":
-            server.root = cfg["empty_root"]
+        server.mode, server.root = _jail.setup(empty_root=cfg["empty_root"])
     if mode not in ("auto", server.mode):
         _reply({"ready": 0, "error": "verifier sandbox mode %r does not work here (got %r)" % (mode, server.mode)})
         return

@@ -135,6 +135,16 @@ def test_test_code_that_silences_its_process_loses_its_own_verdict_only(mode, tm
     assert os.listdir(tmp_path) == []
 
 
+def _jail_mode():
+    """The jail mode a zygote gets here (its setup, run in a child process)."""
+    import subprocess
+    import sys
+    code = ("import os\nfrom rewards import _jail\n"
+            "if os.geteuid() != 0:\n    try:\n        _jail.enter_user_namespace()\n    except OSError:\n        pass\n"
+            "mode, root = _jail.setup()\nprint(mode)\nif mode == 'chroot':\n    os.rmdir(root)\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
+
+
 def test_test_code_has_no_more_authority_than_the_candidate(tmp_path):
     """What test code (here the dataset's own, as a probe) can do in its runner: not root, no network, no file
     written, none of the host's files read."""
@@ -155,6 +165,8 @@ def test_test_code_has_no_more_authority_than_the_candidate(tmp_path):
     }
     if os.geteuid() != 0:
         del probes["not_root"]
+    if _jail_mode() != "namespaces":  # root in a container that refuses namespaces: the network stays open
+        del probes["no_network"]
     assert os.path.exists("/etc/passwd") and os.path.exists("/proc/1")  # the probes' files exist here
     out = code_reward(completion="def f():\n    return 1\n", tests=list(probes.values()), sandbox="rlimits")
     listener.close()
