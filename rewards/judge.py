@@ -1,10 +1,12 @@
 """The parent's side of the judge: one long-lived judge process per reward process, one fork per sample.
 
 The judge (``_judge.py``) runs outside the sandbox, under this process's uid, with this process's
-interpreter. It is started on first use and restarted when it has died. ``open_sample(job)`` hands it
-a sample (the tests, which never enter the sandbox) and returns the two sockets that belong to this
-sample: the harness's end of the channel (inherited by the sandbox) and the socket the verdicts come
-back on, one JSON line each: ``{"pid": n}``, then ``{"i", "ok", "why"}`` per test, then ``{"done": 1}``.
+interpreter; the test code runs in its confined test runners (``_judge_runner.py``, ``_jail.py``), under
+the sandbox uid ``job["uid"]`` when we are root. It is started on first use and restarted when it has
+died. ``open_sample(job)`` hands it a sample (the tests, which never enter the sandbox) and returns the
+two sockets that belong to this sample: the harness's end of the channel (inherited by the sandbox) and
+the socket the verdicts come back on, one JSON line each: ``{"pid": n}``, then ``{"i", "ok", "why"}`` per
+test, then ``{"done": 1}`` (or ``{"error"}`` when a test runner cannot be started or confined).
 """
 from __future__ import annotations
 

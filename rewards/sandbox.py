@@ -1,10 +1,11 @@
 """Run a program in a sandbox against tests run by the judge; return the judge's verdicts.
 
 The candidate runs in the sandbox (one process per test, started by the trusted harness); the test code
-runs in the judge (``rewards/judge.py``), outside it, and calls the candidate through a channel that
-carries plain data only. This module starts both for one sample, supervises them, and enforces the
-deadlines from outside: the verdicts come from the judge, the harness's records only tell the parent
-which test is running.
+runs outside it, in the judge's confined test runners (``rewards/judge.py``, ``_judge_runner.py``: a
+sandbox uid of their own, ``rewards/_jail.py``), and calls the candidate through a channel that carries
+plain data only. This module starts both for one sample, supervises them, and enforces the deadlines
+from outside: the verdicts come from the judge's writer, once per test and in order, the harness's
+records only tell the parent which test is running.
 
 Modes, strongest available first (``mode="auto"``):
 - ``bwrap``: bubblewrap; a new root holding only the interpreter, its standard library, its shared

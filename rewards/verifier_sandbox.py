@@ -38,6 +38,7 @@ _LOG = logging.getLogger("rewards.verifier_sandbox")
 MODES = ("auto", "namespaces", "chroot", "none")
 START_TIMEOUT_S = 300.0  # importing reasoning-gym and loading environments, on a loaded machine
 GRACE_S = 3.0            # the server kills a child at its deadline; we kill the server this long after
+RETRY_S = 60.0           # a server that failed to start is not tried again for this long (same settings)
 _BOOT = ("import json, os, sys\n"
          "b = b''\n"
          "while not b.endswith(b'\\n'):\n"
@@ -185,7 +186,14 @@ def _server_for(kind: str, env_key, cfg: dict) -> _Server:
                    vf_envs=have["vf_envs"] + [e for e in cfg["vf_envs"] if e not in have["vf_envs"]])
         server.close()
     cfg["vf_keys"] = [[ref, json.dumps(args or {}, sort_keys=True)] for ref, args in cfg["vf_envs"]]
-    server = _Server(cfg)
+    failed = _STATE.get("failed")
+    if failed and failed[0] == json.dumps(cfg, sort_keys=True) and time.monotonic() < failed[2]:
+        raise VerifierSandboxError(failed[1])  # not retried at every answer: each try costs a start
+    try:
+        server = _Server(cfg)
+    except (VerifierSandboxError, RuntimeError, OSError) as e:
+        _STATE["failed"] = (json.dumps(cfg, sort_keys=True), str(e), time.monotonic() + RETRY_S)
+        raise VerifierSandboxError(str(e)) from None
     _STATE["server"], _STATE["pid"] = server, os.getpid()
     if server.mode == "none" and not _STATE["warned"]:
         _STATE["warned"] = True
