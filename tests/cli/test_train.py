@@ -1,4 +1,4 @@
-"""`ebpo train` start-up errors: one line and exit status 2, nothing written, nothing overwritten.
+"""`ebpo train` (ebpo.cli.train) start-up errors: one line and exit status 2, nothing written, nothing overwritten.
 
 Each case fails before Ray starts, so the tests run in-process."""
 import json

@@ -1,5 +1,5 @@
 """`ebpo generate --help` documents the multi-turn options as argparse entries, and bad JSON in them exits 2
-with the flag's name (issue 39, papercuts)."""
+with the flag's name."""
 import re
 
 import pytest
