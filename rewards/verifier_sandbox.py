@@ -66,6 +66,7 @@ class _Server:
     def __init__(self, cfg: dict):
         self.cfg, self.slot, self.empty_root, self.proc = cfg, None, None, None
         self.warmed: set = set()
+        self.gone = False  # it exited (rather than ran late) during the last request
         try:
             self._start()
         except BaseException:
@@ -98,7 +99,7 @@ class _Server:
         self.mode = ready["mode"]
 
     def _line(self, deadline: float) -> dict | None:
-        """One JSON line from the server by ``deadline``, or None (it is gone or late)."""
+        """One JSON line from the server by ``deadline``, or None (it is gone or late: ``self.gone`` says)."""
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
@@ -106,6 +107,7 @@ class _Server:
                 return None
             chunk = os.read(fd, 65536)
             if not chunk or len(self.buf) > 1 << 20:
+                self.gone = True
                 return None
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
@@ -124,6 +126,7 @@ class _Server:
             while data:
                 data = data[os.write(self.proc.stdin.fileno(), data):]
         except OSError:
+            self.gone = True
             self.close()
             return None
         reply = self._line(time.monotonic() + float(self.cfg["timeout_s"]) + GRACE_S + self._warm_s(req))
@@ -222,12 +225,17 @@ def score(kind: str, request: dict, *, gold, timeout_s: float = 5.0, memory_mb: 
         env_key = [ref, json.dumps(env_args or {}, sort_keys=True)]
         cfg["vf_envs"] = [[ref, env_args or {}]]
     with _LOCK:
-        server = _server_for(kind, env_key, cfg)
-        _STATE["seq"] += 1
-        req = dict(request, kind=kind, id=_STATE["seq"], gold=gold)
-        if env_key is not None:
-            req["env_key"] = tuple(env_key)
-        reply = server.request(req)
+        for _ in range(2):
+            before = _STATE["server"]
+            server = _server_for(kind, env_key, dict(cfg))
+            fresh = server is not before
+            _STATE["seq"] += 1
+            req = dict(request, kind=kind, id=_STATE["seq"], gold=gold)
+            if env_key is not None:
+                req["env_key"] = tuple(env_key)
+            reply = server.request(req)
+            if reply is not None or not server.gone or fresh:
+                break  # once more only when a server started before this answer turned out to be gone
     if reply is None:
         return {"error": "the verifier sandbox died or hung (restarted for the next answer)"}
     return parse_reply(reply)
