@@ -4,9 +4,10 @@
 Standard library only, Python >= 3.9 (the sandbox interpreter may not be ours). This process never
 executes candidate code and holds nothing of the verdict: it starts one candidate process per test when
 the judge asks, relays the judge's requests to it and its answers back, and enforces the deadlines. The
-judge (``_judge.py``, outside the sandbox) runs the test code; the candidate answers with plain data
-only (``_plain.py``), and the harness forwards each answer line untouched, prefixed with the number of
-the request it answers, so a late answer can never be taken for the answer to a later request.
+judge (``_judge.py``, outside the sandbox) has the test code run by its confined runners; the candidate
+answers with plain data only (``_plain.py``), and the harness forwards each answer line untouched,
+prefixed with the number of the request it answers, so a late answer can never be taken for the answer
+to a later request.
 
 Protocol. stdin: this source (length-prefixed, read by the bootstrap), one JSON line (the job), then kept
 open as a lifeline: EOF means the parent is gone and the harness kills everything and exits. The job

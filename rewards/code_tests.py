@@ -1,8 +1,9 @@
 """Compile a row's tests into what the judge runs: test code, and the names it needs from the candidate.
 
-Every test runs in the judge process (``_judge.py``), outside the sandbox, with the judge's own
-builtins; each name it needs that the candidate defines (a free name that is neither a builtin nor one
-of ``PARENT_MODULES``) is bound to what the candidate reports for it: a plain value, or a proxy that
+Every test runs outside the sandbox, in one of the judge's confined test runners (``_judge.py``,
+``_judge_runner.py``), with the judge's own builtins; each name it needs that the candidate defines (a
+free name that is neither a builtin nor one of ``PARENT_MODULES``) is bound to what the candidate
+reports for it: a plain value, or a proxy that
 calls the candidate in the sandbox with plain-data arguments and returns its plain-data answer. So
 ``assert f(x) == y``, ``assert all([f(a) == b for a, b in cases])`` and HumanEval's
 ``check(candidate)`` programs all compare plain values in the judge: an object with a lying ``__eq__``
