@@ -1,4 +1,4 @@
-"""recipes/quickstart_llada22_agent.yaml (issue 36 point 2): the code-repair agent with every LLaDA2.2 piece on
+"""recipes/quickstart_llada22_agent.yaml: the code-repair agent with every LLaDA2.2 piece on
 (multi-turn with the sandboxed run_tests tool, DELETE / INSERT, L-EBPO, block routing, one step of staleness, the
 additive reward); the control arm is the same recipe with override keys only. The run through `ebpo train` is
 marked slow."""

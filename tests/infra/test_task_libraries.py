@@ -1,5 +1,5 @@
 """`rg:` data sources through the real reasoning-gym package (the `envs` extra): rows are the library's own
-entries, seeded, with the task's config; bad sources fail naming the problem (issue 39)."""
+entries, seeded, with the task's config; bad sources fail naming the problem."""
 import pytest
 
 reasoning_gym = pytest.importorskip("reasoning_gym", reason="the envs extra (pip install -e '.[envs]')")

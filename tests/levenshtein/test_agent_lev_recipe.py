@@ -1,4 +1,4 @@
-"""recipes/agent_lev.yaml (issue 35 point 4): multi-turn tool use, DELETE / INSERT in the rollouts, L-EBPO, block
+"""recipes/agent_lev.yaml: multi-turn tool use, DELETE / INSERT in the rollouts, L-EBPO, block
 routing and one step of staleness in one recipe; `model_overrides` names the edit-control tokens and switches block
 routing on a checkpoint saved without them. The end-to-end run through `ebpo train` is marked slow (minutes)."""
 import json

@@ -4,17 +4,12 @@ logits: identical tokens (argmax with ties, Gumbel-max from per-row generators, 
 than the first search window, repetition penalty) and probabilities within fp32 rounding."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from ebpo.model.parallel import VocabShard, sharded_candidates, sharded_token_probs
 from rollout.sampling import candidates_reference
-
-sys.path.insert(0, str(Path(__file__).parent / "parallel"))
-import parallel_ranks as pr  # noqa: E402
+from tests.model.parallel import parallel_ranks as pr
 
 WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
 

@@ -4,14 +4,10 @@ sizes, the same candidate tokens (greedy, and sampled from per-sequence generato
 clear of its thresholds, over TP = 1/2/4 and EP = 1/2/4, with block routing and with FP8 weights."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "parallel"))
-import parallel_ranks as pr  # noqa: E402
+from tests.model.parallel import parallel_ranks as pr
 
 WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]  # the 4-rank spawn takes about a minute on 2 cores
 RUNS = [(world, f"{tp}x{ep}", case) for world in (2, 4) for tp, ep in pr.LAYOUTS[world] for case in pr.CASES

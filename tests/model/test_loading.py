@@ -1,4 +1,4 @@
-"""The checkpoints shipped in ebpo/assets: names resolve, and the quickstart's starting model behaves as
+"""The checkpoints shipped in ebpo/assets (ebpo.model.loading): names resolve, and the quickstart's starting model behaves as
 its recipe says (it answers some questions bare and works the others)."""
 import json
 from pathlib import Path
