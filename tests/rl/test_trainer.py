@@ -90,7 +90,6 @@ def test_custom_reward_file_is_called(ray_local, tmp_path, data):
     assert len(groups) == 1 and groups[0]["strategy"] == "STRICT_PACK" and groups[0]["state"] == "REMOVED"
 
 
-
 def test_dynamic_sampling_draws_until_enough_groups_carry_signal(ray_local, tmp_path, data):
     """P=2 prompts a step, up to 3 extra rounds. Only `What is 2+b?` prompts (4 of 12) can score unequally
     inside a group (the parity of the completion's characters), so the trainer must keep drawing."""
