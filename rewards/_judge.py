@@ -33,17 +33,14 @@ import time
 try:  # run, this file comes after the others' sources; imported (by tests, by linters), it imports them
     plain_encode  # noqa: B018
 except NameError:
-    from rewards._jail import enter_user_namespace, non_dumpable
-    from rewards._jail import setup as jail_setup
+    from rewards._jail import non_dumpable
     from rewards._judge_runner import (_EXIT, _FORK, _HARNESS_WHY, _ITERATION_ENDS, _PARENT_MODULES,  # noqa: F401
-                                       CallFailed, _compiled, interpret, runner_main, valid_why)
+                                       CallFailed, _compiled, interpret, runner_main, valid_why, zygote)
     from rewards._plain import PlainError, plain_decode, plain_encode  # noqa: F401
-else:
-    jail_setup = setup  # noqa: F821 - _jail.py's, in the concatenated source
 
 
 class Deadline(BaseException):
-    """The test's time is up (raised by SIGALRM in the writer, repeated until the test is given up)."""
+    """The test's time is up (raised by SIGALRM in the writer, once; the writer then kills the runner)."""
 
 
 def record_cap(max_output_bytes):
@@ -90,6 +87,7 @@ class _Test:
         self.chan = chan
         self.failed = None   # why a call failed: the test fails whatever its runner reports
         self.raised = None   # (interpret's bookkeeping for stdio records; runners keep their own)
+        self.runner = None   # the call test's runner, killed once the test is judged
 
     def request(self, msg, expect):
         """Send one request; return its answer, interpreted (stdio tests: the harness's record)."""
@@ -346,32 +344,29 @@ def _run_call(test, spec):
         msg, prefetch = start_message(test.chan, spec)
         test.chan.send(msg)
         sent = (msg["seq"], prefetch)
-    runner = _Runner()
-    try:
-        runner.start(test.chan.runner, spec["budget"])
-        runner.send(0, json.dumps({k: spec.get(k) for k in ("src", "names", "prelude", "i")}).encode())
-        prefetch, resolved = sent[1], False
-        while True:
-            msg = runner.message(test.chan.cap)
-            if msg is None:
-                return False, test.failed or "test_died"
-            if "verdict" in msg:
-                return _runner_verdict(test, msg["verdict"])
-            if msg.get("op") == "resolve" and not resolved:
-                resolved = True
-                runner.send(0, test.forwardable(test.wait_raw(sent[0]), "resolve"))
-            elif msg.get("op") == "call" and resolved and msg.get("name") in spec["names"]:
-                key = (msg["name"], json.dumps(msg.get("args")), json.dumps(msg.get("kwargs")))
-                first, prefetch = prefetch, None
-                if first and first[0] == key:  # sent with the start: answered already
-                    raw = test.wait_raw(first[1])
-                else:
-                    raw = test.request_raw({"op": "call", "name": msg["name"], "args": msg.get("args"),
-                                            "kwargs": msg.get("kwargs")})
-                runner.send(0, test.forwardable(raw, "call"))
-            # anything else is not a request this test can make: not made
-    finally:
-        runner.kill()
+    runner = test.runner = _Runner()  # killed by _verdict, where no deadline can interrupt the kill
+    runner.start(test.chan.runner, spec["budget"])
+    runner.send(0, json.dumps({k: spec.get(k) for k in ("src", "names", "prelude", "i")}).encode())
+    prefetch, resolved = sent[1], False
+    while True:
+        msg = runner.message(test.chan.cap)
+        if msg is None:
+            return False, test.failed or "test_died"
+        if "verdict" in msg:
+            return _runner_verdict(test, msg["verdict"])
+        if msg.get("op") == "resolve" and not resolved:
+            resolved = True
+            runner.send(0, test.forwardable(test.wait_raw(sent[0]), "resolve"))
+        elif msg.get("op") == "call" and resolved and msg.get("name") in spec["names"]:
+            key = (msg["name"], json.dumps(msg.get("args")), json.dumps(msg.get("kwargs")))
+            first, prefetch = prefetch, None
+            if first and first[0] == key:  # sent with the start: answered already
+                raw = test.wait_raw(first[1])
+            else:
+                raw = test.request_raw({"op": "call", "name": msg["name"], "args": msg.get("args"),
+                                        "kwargs": msg.get("kwargs")})
+            runner.send(0, test.forwardable(raw, "call"))
+        # anything else is not a request this test can make: not made
 
 
 def _run_one(test, spec):
@@ -398,6 +393,9 @@ def _verdict(test, spec):
         raise
     except BaseException as e:  # the writer's own code failed on this test: never a pass
         ok, why = False, "judge_error:" + type(e).__name__
+    finally:  # disarmed by now (by _guarded, or by the one Deadline itself): the kill is not interrupted
+        if test.runner is not None:
+            test.runner.kill()
     if test.failed:  # a failed call fails the test whatever its runner reported
         return False, test.failed
     return ok, why
@@ -407,8 +405,11 @@ _ARMED = [None]  # the test whose deadline SIGALRM enforces now (None: the alarm
 
 
 def _alarm(*_):
+    """The test's time is up: fail it and raise Deadline, once per arming (the writer's own code catches it
+    in _verdict only; test code, which runs in the runner, never sees it)."""
     test = _ARMED[0]
     if test is not None:
+        _ARMED[0] = None
         test.failed = test.failed or "timeout"
         raise Deadline()
 
@@ -469,61 +470,12 @@ def _recv_exact(sock, n):
     return buf
 
 
-def _zygote(zsock):
-    """The runners' parent, forked from the judge before any sample (its memory holds none): set the jail
-    up, then fork one runner per request (a JSON config and the runner's socket). Ends when every writer
-    and the judge have closed their end."""
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    non_dumpable()
-    # what the judge held (its control socket; its end of ours, which may be descriptor 0 since the judge
-    # closed its stdin) is not ours to keep: we end when every holder of that end has closed it
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in [int(fd) for fd in os.listdir("/proc/self/fd")]:
-        if fd != zsock.fileno() and fd != null:
-            try:
-                if fd <= 2:
-                    os.dup2(null, fd)
-                else:
-                    os.close(fd)
-            except OSError:
-                pass
-    os.close(null)
-    if os.geteuid() != 0:
-        try:
-            enter_user_namespace()
-        except OSError:
-            pass
-    mode, root = jail_setup()
-    while True:
-        try:
-            msg, fds, _, _ = socket.recv_fds(zsock, 4096, 1)
-        except OSError:
-            break
-        if not msg:
-            break
-        if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            continue
-        cfg = json.loads(msg)
-        if _FORK() == 0:
-            zsock.close()
-            runner_main(socket.socket(fileno=fds[0]), root, cfg["uid"], cfg["memory_bytes"], cfg["cpu_s"])
-        os.close(fds[0])
-    if mode == "chroot":
-        try:
-            os.rmdir(root)
-        except OSError:
-            pass
-    _EXIT(0)
-
-
 def _start_runners():
     """Fork the zygote (before any sample); the writers ask it for runners over a SOCK_SEQPACKET pair."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = _FORK()
     if pid == 0:
-        _zygote(theirs)
+        zygote(theirs)
     theirs.close()
     _RUNNERS["zygote"] = ours
     return pid

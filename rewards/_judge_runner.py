@@ -14,18 +14,28 @@ candidate, and what it can forge is its own test's verdict, nothing else.
 Runner to judge, one JSON line each: ``{"op": "resolve"}``, ``{"op": "call", "name", "args", "kwargs"}``
 (arguments as plain data), ``{"verdict": [ok, why]}``. Judge to runner: the test (a frame of JSON), then
 one frame per request: ``<h> <length>\\n`` then the answer line's body, ``h`` 1 when it is the harness's own
-record. Standard library only; this source follows ``_plain.py`` and ``_jail.py`` in the judge.
+record. The judge's *zygote* (``zygote``) is here too: forked by the judge before any sample, it sets the jail up
+and forks one runner per writer's request, and SIGKILLs a runner that outlives its budget by
+``RUNNER_MARGIN_S`` (a runner asleep in test code uses no CPU time). Standard library only; this source
+follows ``_plain.py`` and ``_jail.py`` in the judge.
 """
 import builtins
 import importlib
 import json
 import os
+import select
+import signal
+import socket
+import time
 
 try:  # run, this file comes after _plain.py's and _jail.py's sources; imported, it imports them
     plain_encode  # noqa: B018
 except NameError:
-    from rewards._jail import confine
+    from rewards._jail import confine, enter_user_namespace, non_dumpable
+    from rewards._jail import setup as jail_setup
     from rewards._plain import PlainError, plain_decode, plain_encode
+else:
+    jail_setup = setup  # noqa: F821 - _jail.py's, in the concatenated source
 
 _PARENT_MODULES = ("math", "cmath", "re", "string", "itertools", "functools", "collections", "heapq",
                    "bisect", "fractions", "decimal", "statistics", "operator")
@@ -116,10 +126,6 @@ def read_frame(sock):
         head += c
     flag, n = head.split()
     return int(flag), read_exact(sock, int(n))
-
-
-def send_frame(sock, flag, body):
-    sock.sendall(b"%d %d\n" % (flag, len(body)) + body)
 
 
 class RunnerTest:
@@ -221,3 +227,82 @@ def runner_main(sock, root, uid, memory_bytes, cpu_s):
     except BaseException:
         code = 1
     _EXIT(code)
+
+
+def zygote(zsock):
+    """The runners' parent, forked from the judge before any sample (its memory holds none): set the jail
+    up, then fork one runner per request (a JSON config and the runner's socket). Ends when every writer
+    and the judge have closed their end."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    non_dumpable()
+    # what the judge held (its control socket; its end of ours, which may be descriptor 0 since the judge
+    # closed its stdin) is not ours to keep: we end when every holder of that end has closed it
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in [int(fd) for fd in os.listdir("/proc/self/fd")]:
+        if fd != zsock.fileno() and fd != null:
+            try:
+                if fd <= 2:
+                    os.dup2(null, fd)
+                else:
+                    os.close(fd)
+            except OSError:
+                pass
+    os.close(null)
+    if os.geteuid() != 0:
+        try:
+            enter_user_namespace()
+        except OSError:
+            pass
+    mode, root = jail_setup()
+    lives = {}  # pidfd of a runner -> when it is killed whatever it does (its writer kills it long before)
+    zsock.settimeout(1.0)
+    while True:
+        _end_overdue(lives)
+        try:
+            msg, fds, _, _ = socket.recv_fds(zsock, 4096, 1)
+        except TimeoutError:
+            continue
+        except OSError:
+            break
+        if not msg:
+            break
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            continue
+        cfg = json.loads(msg)
+        pid = _FORK()
+        if pid == 0:
+            zsock.close()
+            runner_main(socket.socket(fileno=fds[0]), root, cfg["uid"], cfg["memory_bytes"], cfg["cpu_s"])
+        os.close(fds[0])
+        try:
+            lives[os.pidfd_open(pid)] = time.monotonic() + cfg["cpu_s"] + RUNNER_MARGIN_S
+        except OSError:  # gone already
+            pass
+    if mode == "chroot":
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
+    _EXIT(0)
+
+
+RUNNER_MARGIN_S = 10.0  # a runner outlives its test's budget by at most this (its writer was killed)
+
+
+def _end_overdue(lives):
+    """Forget runners that have exited; SIGKILL those past their lifetime (a runner sleeping in test code
+    whose writer was killed uses no CPU time, so its RLIMIT_CPU would never end it)."""
+    now = time.monotonic()
+    done = set(select.select(list(lives), [], [], 0)[0]) if lives else set()
+    for fd, end in list(lives.items()):
+        if fd not in done and now >= end:
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
+                pass
+            done.add(fd)
+        if fd in done:
+            os.close(fd)
+            del lives[fd]

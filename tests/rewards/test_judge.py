@@ -172,3 +172,22 @@ def test_test_code_has_no_more_authority_than_the_candidate(tmp_path):
     listener.close()
     assert dict(zip(probes, out.extras["outcomes"])) == {k: "ok" for k in probes}
     assert os.listdir(tmp_path) == []
+
+
+def test_the_zygote_ends_a_runner_past_its_lifetime_and_forgets_one_that_exited():
+    """A runner asleep in test code whose writer was killed uses no CPU time: the zygote SIGKILLs it once its
+    lifetime is over (budget plus RUNNER_MARGIN_S); a runner that exited is forgotten."""
+    import subprocess
+    import sys
+    import time
+
+    from rewards import _judge_runner as R
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    lives = {os.pidfd_open(sleeper.pid): time.monotonic() + 60, os.pidfd_open(quick.pid): time.monotonic() + 60}
+    quick.wait()
+    R._end_overdue(lives)
+    assert len(lives) == 1 and sleeper.poll() is None  # the exited one forgotten, the other within its life
+    lives[next(iter(lives))] = time.monotonic() - 1
+    R._end_overdue(lives)
+    assert lives == {} and sleeper.wait(timeout=10) == -9
