@@ -284,6 +284,7 @@ def test_the_rollout_worker_hands_a_trajectorys_drafts_to_the_learner_record(mon
     monkeypatch.setattr(rollout.multiturn, "run_episodes", lambda *a, **k: [traj])
     worker = object.__new__(RolloutWorker)
     worker.env_factory, worker.multiturn, worker.model, worker.tokenizer, worker.version = object, {}, None, None, 3
+    worker.engines = None  # the worker's engine holder, built on first use
     out = worker._generate_turns([prompt], [0], None, [{"prompt": "x"}])
     sample = RolloutSample.from_worker(out[0])
     assert sample.lev_drafts == [[off, list(t)] for off, t in drafts]
