@@ -34,8 +34,8 @@ try:  # run, this file comes after the others' sources; imported (by tests, by l
     plain_encode  # noqa: B018
 except NameError:
     from rewards._jail import non_dumpable
-    from rewards._judge_runner import (_EXIT, _FORK, _HARNESS_WHY, _ITERATION_ENDS, _PARENT_MODULES,  # noqa: F401
-                                       CallFailed, _compiled, interpret, runner_main, valid_why, zygote)
+    from rewards._judge_runner import (EXIT, FORK, HARNESS_WHY, ITERATION_ENDS, PARENT_MODULES,  # noqa: F401
+                                       CallFailed, compiled_test, interpret, runner_main, valid_why, zygote)
     from rewards._plain import PlainError, plain_decode, plain_encode  # noqa: F401
 
 
@@ -176,7 +176,7 @@ class _Runner:
         cfg = {"uid": job.get("uid"), "memory_bytes": job.get("memory_bytes"), "cpu_s": int(budget) + 2}
         try:
             if _RUNNERS["zygote"] is None:
-                self.pid, self.child = _FORK(), True
+                self.pid, self.child = FORK(), True
                 if self.pid == 0:  # only where no zygote runs (tests): it sees this process's memory
                     self.sock.close()
                     runner_main(theirs, None, cfg["uid"], cfg["memory_bytes"], cfg["cpu_s"])
@@ -473,7 +473,7 @@ def _recv_exact(sock, n):
 def _start_runners():
     """Fork the zygote (before any sample); the writers ask it for runners over a SOCK_SEQPACKET pair."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = _FORK()
+    pid = FORK()
     if pid == 0:
         zygote(theirs)
     theirs.close()
@@ -485,7 +485,7 @@ def main():
     """Wait for samples on the control socket; fork one child per sample."""
     non_dumpable()  # a same-uid candidate (rlimits mode without root) cannot ptrace or read us
     ctl = socket.socket(fileno=int(sys.argv[1]))
-    for m in _PARENT_MODULES:  # imported once here, inherited by every sample's child and every runner
+    for m in PARENT_MODULES:  # imported once here, inherited by every sample's child and every runner
         importlib.import_module(m)
     zygote = _start_runners()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel

@@ -37,17 +37,17 @@ except NameError:
 else:
     jail_setup = setup  # noqa: F821 - _jail.py's, in the concatenated source
 
-_PARENT_MODULES = ("math", "cmath", "re", "string", "itertools", "functools", "collections", "heapq",
+PARENT_MODULES = ("math", "cmath", "re", "string", "itertools", "functools", "collections", "heapq",
                    "bisect", "fractions", "decimal", "statistics", "operator")
 # Exceptions the interpreter itself reads as "the iteration is over": raised by the candidate inside
 # test code they would end an enclosing ``for ... in map(f, ...)`` or ``all(map(...))`` silently, so the
 # test would pass without checking anything (PEP 479's reason). The candidate's raising one is a failed call.
-_ITERATION_ENDS = ("StopIteration", "StopAsyncIteration")
+ITERATION_ENDS = ("StopIteration", "StopAsyncIteration")
 # What the harness itself reports about a call (its own records, never the candidate's)
-_HARNESS_WHY = ("timeout", "died", "output_limit")
+HARNESS_WHY = ("timeout", "died", "output_limit")
 # Every outcome a verdict may name, besides raised:<identifier> and assert_raised:<identifier>
-WHY_WORDS = ("ok", "assert_failed", "bad_record", "bad_value", "bad_argument", "test_died") + _HARNESS_WHY
-_FORK, _EXIT = os.fork, os._exit  # taken at import: tests replace os.fork / os._exit around the judge's main
+WHY_WORDS = ("ok", "assert_failed", "bad_record", "bad_value", "bad_argument", "test_died") + HARNESS_WHY
+FORK, EXIT = os.fork, os._exit  # taken at import: tests replace os.fork / os._exit around the judge's main
 
 
 class CallFailed(BaseException):
@@ -82,7 +82,7 @@ def interpret(body, test, expect, harness=False):
     if harness:
         if expect == "stdio" and type(msg.get("stdout")) is str:
             return msg
-        if msg.get("h") in _HARNESS_WHY:
+        if msg.get("h") in HARNESS_WHY:
             return test.fail(msg["h"])
         return test.fail("bad_record")
     if expect == "call" and "v" in msg:
@@ -96,7 +96,7 @@ def interpret(body, test, expect, harness=False):
     if type(name) is str and len(name) <= 40 and name.isascii() and name.isidentifier():
         test.raised = name
         cls = getattr(builtins, name, None)
-        if name in _ITERATION_ENDS:
+        if name in ITERATION_ENDS:
             return test.fail("raised:" + name)
         if expect == "call" and isinstance(cls, type) and issubclass(cls, Exception):
             raise cls("raised by the candidate")  # test code may expect it (``except ValueError``)
@@ -180,7 +180,7 @@ def _bind(test, spec, scope):
 _CODE = {}
 
 
-def _compiled(src, label):
+def compiled_test(src, label):
     """Compiled once per source in this process."""
     if src not in _CODE:
         _CODE[src] = compile(src, label, "exec")
@@ -191,10 +191,10 @@ def run_test_code(test, spec):
     """Run one call test's code; return (passed, why)."""
     try:
         scope = {"__name__": "__judge__", "__builtins__": builtins}
-        for m in _PARENT_MODULES:
+        for m in PARENT_MODULES:
             scope[m] = importlib.import_module(m)
         if spec.get("prelude"):  # helpers the task's prompt defines: trusted task code
-            exec(_compiled(spec["prelude"], "<prompt helpers>"), scope)
+            exec(compiled_test(spec["prelude"], "<prompt helpers>"), scope)
         _bind(test, spec, scope)
         exec(compile(spec["src"], "<test %d>" % spec["i"], "exec"), scope)
         ok, why = True, "ok"
@@ -219,14 +219,14 @@ def runner_main(sock, root, uid, memory_bytes, cpu_s):
             confine(root, uid, {sock.fileno()}, memory_bytes, cpu_s)
         except BaseException as e:  # not confined: the test is never read
             sock.sendall(json.dumps({"confine_failed": "%s: %s" % (type(e).__name__, e)}).encode() + b"\n")
-            _EXIT(3)
+            EXIT(3)
         sock.sendall(b'{"confined": 1}\n')
         spec = json.loads(read_frame(sock)[1])
         ok, why = run_test_code(RunnerTest(sock), spec)
         sock.sendall(json.dumps({"verdict": [bool(ok), str(why)[:60]]}).encode() + b"\n")
     except BaseException:
         code = 1
-    _EXIT(code)
+    EXIT(code)
 
 
 def zygote(zsock):
@@ -271,7 +271,7 @@ def zygote(zsock):
                 os.close(fd)
             continue
         cfg = json.loads(msg)
-        pid = _FORK()
+        pid = FORK()
         if pid == 0:
             zsock.close()
             runner_main(socket.socket(fileno=fds[0]), root, cfg["uid"], cfg["memory_bytes"], cfg["cpu_s"])
@@ -285,7 +285,7 @@ def zygote(zsock):
             os.rmdir(root)
         except OSError:
             pass
-    _EXIT(0)
+    EXIT(0)
 
 
 RUNNER_MARGIN_S = 10.0  # a runner outlives its test's budget by at most this (its writer was killed)

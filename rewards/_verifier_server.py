@@ -29,7 +29,7 @@ import select
 import signal
 import time
 
-from rewards import _jail
+import rewards._jail as jail
 
 RESULT_BYTES = 16384
 # taken now, before any answer runs: an answer the verifier evaluates may rebind the builtins of its own
@@ -127,7 +127,7 @@ class Server:
         if self._spare is None:
             req_r, req_w = os.pipe()
             res_r, res_w = os.pipe()
-            memory = _jail.address_space_bytes() + self.cfg["memory_bytes"]
+            memory = jail.address_space_bytes() + self.cfg["memory_bytes"]
             cpu = int(math.ceil(float(self.cfg["timeout_s"]))) + 1
             pid = os.fork()
             if pid == 0:
@@ -141,7 +141,7 @@ class Server:
         """The confined child: confine, read the request, score it, write the result, exit."""
         code = 0
         try:
-            _jail.confine(self.root, self.cfg["uid"], {req_r, res_w}, memory, cpu)
+            jail.confine(self.root, self.cfg["uid"], {req_r, res_w}, memory, cpu)
         except BaseException:  # not confined: the request is never read
             os._exit(3)
         try:
@@ -234,7 +234,7 @@ def main(cfg):
     userns = False
     if mode in ("auto", "namespaces") and os.geteuid() != 0:
         try:
-            _jail.enter_user_namespace()  # before any import can start a thread
+            jail.enter_user_namespace()  # before any import can start a thread
             userns = True
         except OSError:
             pass
@@ -246,11 +246,11 @@ def main(cfg):
     elif mode == "chroot" or (mode == "auto" and os.geteuid() != 0 and not userns):
         server.mode, server.root = ("chroot", cfg["empty_root"]) if os.geteuid() == 0 else ("none", None)
     else:
-        server.mode, server.root = _jail.setup(empty_root=cfg["empty_root"])
+        server.mode, server.root = jail.setup(empty_root=cfg["empty_root"])
     if mode not in ("auto", server.mode):
         _reply({"ready": 0, "error": "verifier sandbox mode %r does not work here (got %r)" % (mode, server.mode)})
         return
-    _jail.non_dumpable()
+    jail.non_dumpable()
     ok, why = _probe(server)
     if not ok:
         _reply({"ready": 0, "error": "a confined child does not start in mode %s: %s" % (server.mode, why)})

@@ -178,7 +178,7 @@ def _interpreter() -> InterpreterInfo:
 
 
 @functools.lru_cache(maxsize=None)
-def _uid_range_checked() -> bool:
+def uid_range_checked() -> bool:
     try:
         sandbox_uids.check_uid_range()
     except sandbox_uids.UidRangeError as e:
@@ -241,7 +241,7 @@ def resolve_mode(mode: str = "auto") -> SandboxInfo:
     if mode not in ("auto", "bwrap", "unshare", "rlimits"):
         raise ValueError(f"sandbox mode must be auto, bwrap, unshare or rlimits; got {mode!r}")
     if _drop_uid():
-        _uid_range_checked()
+        uid_range_checked()
     _interpreter()
     for m in (["bwrap", "unshare", "rlimits"] if mode == "auto" else [mode]):
         if mode_works(m):

@@ -76,8 +76,8 @@ class _Server:
     def _start(self) -> None:
         cfg = dict(self.cfg, uid=None, sys_path=[p for p in sys.path], empty_root=None)
         if os.geteuid() == 0:
-            from rewards.sandbox import _uid_range_checked
-            _uid_range_checked()
+            from rewards.sandbox import uid_range_checked
+            uid_range_checked()
             self.slot = sandbox_uids.Slot(True)
             cfg["uid"] = self.slot.__enter__()
             self.empty_root = tempfile.mkdtemp(prefix="ebpo-vjail-")

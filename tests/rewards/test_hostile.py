@@ -203,9 +203,9 @@ def test_an_unforeseen_answer_is_a_failed_call(mode):
 
 
 def test_the_judge_interprets_only_what_it_expects():
-    from rewards._judge import _PARENT_MODULES, CallFailed, _Test, interpret
+    from rewards._judge import PARENT_MODULES as JUDGE_PARENT_MODULES, CallFailed, _Test, interpret
     from rewards.code_tests import PARENT_MODULES
-    assert _PARENT_MODULES == PARENT_MODULES  # what the judge preloads is what compiling leaves out
+    assert JUDGE_PARENT_MODULES == PARENT_MODULES  # what the judge preloads is what compiling leaves out
     unforeseen = [(b'{"zzz": 1}', "call"), (b'{"names": {}}', "call"), (b'{"stdout": ""}', "call"),
                   (b'{"v": ["i", "1"]}', "resolve"), (b'{"v": ["i", "1"]}', "stdio"), (b'{"h": 5}', "call"),
                   (b'{"raised": 5}', "call"), (b'{}', "resolve"), (b'null', "call"), (b'"v"', "call")]

@@ -125,9 +125,9 @@ def test_normalize_output_is_the_documented_line_rule(text):
 def test_compiled_once_per_source():
     from rewards import _judge_runner as R
     R._CODE.clear()
-    a = R._compiled("x = 1", "<a>")
-    assert R._compiled("x = 1", "<other label>") is a and a.co_filename == "<a>"
-    b = R._compiled("x = 2", "<b>")
+    a = R.compiled_test("x = 1", "<a>")
+    assert R.compiled_test("x = 1", "<other label>") is a and a.co_filename == "<a>"
+    b = R.compiled_test("x = 2", "<b>")
     assert b is not a and b.co_filename == "<b>" and len(R._CODE) == 2
     R._CODE.clear()
 

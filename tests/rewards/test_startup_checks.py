@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _clear_probe_caches():
-    for fn in (sandbox._interpreter, sandbox.mode_works, sandbox_fs.interpreter_info, sandbox._uid_range_checked):
+    for fn in (sandbox._interpreter, sandbox.mode_works, sandbox_fs.interpreter_info, sandbox.uid_range_checked):
         fn.cache_clear()
 
 
