@@ -1,23 +1,13 @@
 import pytest
 import torch
 
-from ebpo.model import LLaDA2MoeModelLM, tiny_config
+from tests.support.models import decoding_lm
 
 
 def make_model(seed=0, head_scale=8.0, eos_boost=0.0):
-    """Random tiny model; lm_head scaled up so confidences spread across the thresholds.
-
-    eos_boost > 0 shifts the EOS logit up so that sequences actually stop early.
-    """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LLaDA2MoeModelLM(tiny_config()).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(head_scale)
-        if eos_boost:
-            h = model.lm_head.weight.shape[1]
-            model.lm_head.weight[model.config.eos_token_id] += eos_boost / h ** 0.5
-    return model
+    """Random tiny model; lm_head scaled up so that confidences spread across the thresholds
+    (`tests.support.models.decoding_lm`). eos_boost > 0 shifts the EOS logit up so that sequences stop early."""
+    return decoding_lm(seed, head_scale, eos_boost)
 
 
 @pytest.fixture(scope="module")

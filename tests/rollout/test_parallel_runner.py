@@ -20,7 +20,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import make_model
 
 from ebpo.infra.distributed import free_port
 from ebpo.model.parallel import build_parallel_model, make_groups
@@ -28,6 +27,7 @@ from rollout import DecodeConfig
 from rollout.engine import Engine
 from rollout.parallel_runner import ParallelRunner
 from rollout.runner import EagerRunner
+from tests.support.models import decoding_lm as make_model  # importable in spawned ranks, unlike conftest
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15, 16, 17, 18, 19, 20, 21, 22], [23, 24],
            [14, 15, 16, 17, 18, 19, 20, 21, 30, 31], [23, 24, 25, 26], [40, 41, 42]]

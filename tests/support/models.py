@@ -14,3 +14,18 @@ def small_lm(**overrides) -> LLaDA2MoeModelLM:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return LLaDA2MoeModelLM(tiny_config(**{**SMALL, **overrides}))
+
+
+def decoding_lm(seed: int = 0, head_scale: float = 8.0, eos_boost: float = 0.0) -> LLaDA2MoeModelLM:
+    """The random tiny preset model of the decoding tests, in eval mode, its lm_head scaled up so that confidences
+    spread across the thresholds; eos_boost > 0 shifts the EOS logit up so that sequences stop early. Built from
+    `seed` inside a forked RNG (no global random state changes)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LLaDA2MoeModelLM(tiny_config()).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+        if eos_boost:
+            h = model.lm_head.weight.shape[1]
+            model.lm_head.weight[model.config.eos_token_id] += eos_boost / h ** 0.5
+    return model
