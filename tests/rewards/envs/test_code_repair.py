@@ -15,7 +15,7 @@ from rewards.envs import load_environment, make_environment
 from rewards.envs.code_repair import CodeRepairEnv, tool_result
 from rewards.sandbox import Limits, mode_works, wall_bound_s
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ROW = {"prompt": "Fix the bug: def add_3(x): return x + 3 + 3", "tests": ["assert add_3(1) == 4", "assert add_3(10) == 13"]}
 FIXED = "def add_3(x): return x + 3"
 BUGGY = "def add_3(x): return x + 3 + 3"
