@@ -92,7 +92,6 @@ EXEMPT = {
     "rewards/code_tests.py": REORGANISING,
     "rewards/envs/api.py": REORGANISING,
     "rewards/envs/calculator.py": REORGANISING,
-    "rewards/envs/code_repair.py": REORGANISING,
     "rewards/envs/loader.py": REORGANISING,
     "rewards/envs/tools.py": REORGANISING,
     "rewards/format_reward.py": REORGANISING,
