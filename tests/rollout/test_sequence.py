@@ -1,6 +1,6 @@
-"""`rollout.sequence.Sequence`'s documented state rules, checked over every status (issue 40's mutation run of
-rollout/sequence.py): which sequences take part in a forward, the block boundary where weights may change,
-the weight versions per block, and the pickled form of a pending environment step."""
+"""`rollout.sequence.Sequence`'s documented state rules, checked over every status: which sequences take part in a
+forward, the block boundary where weights may change, the weight versions per block, and the pickled form of a
+pending environment step."""
 import concurrent.futures
 import pickle
 

@@ -1,6 +1,5 @@
-"""`rollout.trajectory` records against plain re-statements of their documented rules, on random trajectories
-(issue 40's mutation run of rollout/trajectory.py): per-trajectory metrics, the plain-data round trip, the
-table text and the batch summary."""
+"""`rollout.trajectory` records against plain re-statements of their documented rules, on random trajectories:
+per-trajectory metrics, the plain-data round trip, the table text and the batch summary."""
 import random
 
 import pytest
