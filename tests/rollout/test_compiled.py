@@ -1,4 +1,4 @@
-"""rollout/compiled.py, fast (issue 40, mutation testing).
+"""rollout/compiled.py, fast.
 
 Pure parts against plain references: the candidate maths with given noise, the canvas length, the unsupported
 settings, the per-row noise, the EOS check of the generated region, the compile cache (with torch.compile

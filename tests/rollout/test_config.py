@@ -1,4 +1,4 @@
-"""DecodeConfig (rollout/config.py), every rule of its docstring pinned on its own (issue 40, mutation testing).
+"""DecodeConfig (rollout/config.py), every rule of its docstring pinned on its own.
 
 Each field: the values at the edges of what it accepts pass, the values just outside fail with the documented
 message naming the field, the value and what it accepts; booleans are never numbers. Presets, `replace`,

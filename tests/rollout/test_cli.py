@@ -1,5 +1,5 @@
 """`ebpo generate` (rollout/cli.py) run in this process with the model, the decoder and the multi-turn loop
-replaced by recorders (issue 40, mutation testing): which prompts, ids, seeds, config and callbacks reach the
+replaced by recorders: which prompts, ids, seeds, config and callbacks reach the
 decoder, what is printed in each output mode, the errors, how the model is chosen, and the multi-turn path."""
 import argparse
 import dataclasses

@@ -1,5 +1,5 @@
 """Partial rollouts (`rollout.partial`) against a plain-Python model of their documented rules, on the stub model
-of stub_model_mt40.py (milliseconds per call; issue 40's mutation target).
+of stub_model_mt40.py (milliseconds per call).
 
 The reference `RefPartial` keeps the same state as `PartialRollouts` by hand: sequences at block boundaries
 carried across calls, each block decoded whole under the version of the call that started it (the stub's

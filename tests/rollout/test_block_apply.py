@@ -1,7 +1,7 @@
 """`rollout.block_apply` writes each row's decisions into the engine's slots and the sequences' counters: checked
-against the pure step functions applied one row at a time and a plain loop of the Multi-Block Editing rule (issue
-40's mutation run of rollout/block_apply.py). Random slots, blocks, prompt boundaries inside the block, block
-counters near the forward cap; with and without DELETE / INSERT."""
+against the pure step functions applied one row at a time and a plain loop of the Multi-Block Editing rule. Random
+slots, blocks, prompt boundaries inside the block, block counters near the forward cap; with and without DELETE /
+INSERT."""
 import random
 
 import pytest

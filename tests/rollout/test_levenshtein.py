@@ -1,8 +1,8 @@
-"""`rollout.levenshtein`'s block step against a plain per-row loop of the rules in its module docstring (issue 40's
-mutation run of rollout/levenshtein.py): which positions take DELETE / INSERT (strict thresholds, the likelier
-operation, the most confident `max_lev_edits`, never on the prompt, on trailing [MASK]s or past the forward
-cap), the ordinary draft-and-edit step on the others, the shifted block, where written tokens and traces land,
-and the edit log. Random blocks on a probability grid that holds the thresholds themselves, so ties occur."""
+"""`rollout.levenshtein`'s block step against a plain per-row loop of the rules in its module docstring: which
+positions take DELETE / INSERT (strict thresholds, the likelier operation, the most confident `max_lev_edits`, never
+on the prompt, on trailing [MASK]s or past the forward cap), the ordinary draft-and-edit step on the others, the
+shifted block, where written tokens and traces land, and the edit log. Random blocks on a probability grid that
+holds the thresholds themselves, so ties occur."""
 import random
 from types import SimpleNamespace
 

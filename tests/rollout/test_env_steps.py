@@ -1,5 +1,5 @@
 """`rollout.env_steps`: env.step calls in daemon threads, at most `max_workers` at once; `unpack_step`'s forms
-and checks (issue 40's mutation target)."""
+and checks."""
 import threading
 import time
 

@@ -1,4 +1,4 @@
-"""rollout/weight_sync.py in this process, without Ray (issue 40, mutation testing).
+"""rollout/weight_sync.py in this process, without Ray.
 
 The bucket plan against a plain loop of its rule, packing and unpacking, the JSON plan, the digest against
 hashlib written out, the process-group options (torch's classes replaced by recorders), the group's send /

@@ -1,4 +1,4 @@
-"""rollout/show.py on tiny inputs (issue 40, mutation testing): the canvas view's pieces, colours, underlines,
+"""rollout/show.py on tiny inputs: the canvas view's pieces, colours, underlines,
 header and Levenshtein list after each event, the live display, and a trajectory's rendered turns.
 
 A fake tokenizer decodes id i as "<i>" (id 10 as a text with a newline; id 1 is special and shown by its

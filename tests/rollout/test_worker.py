@@ -1,4 +1,4 @@
-"""RolloutWorker (rollout/worker.py) in this process, without Ray (issue 40, mutation testing).
+"""RolloutWorker (rollout/worker.py) in this process, without Ray.
 
 The model loader, the decoder, the multi-turn runner, partial rollouts and the broadcast group are replaced by
 recorders; the worker's own rules are checked: the decode config it builds, what a restarted worker comes back

@@ -1,4 +1,4 @@
-"""rollout/forward.py with a stub model (issue 40, mutation testing): which slice each row runs, what the
+"""rollout/forward.py with a stub model: which slice each row runs, what the
 model is called with, and each row's candidates against a per-row plain reference.
 
 The stub records its call and returns hidden states that are a fixed function of (row, slot); its lm_head
