@@ -181,6 +181,6 @@ def test_adversarial_completions(mode, tmp_path, monkeypatch):
         assert mode == "rlimits" and connected  # documented: no network isolation in this mode
     if info.dedicated_uid:
         # only what this process started (its descendants; the machine is shared with other jobs' sandboxes)
-        from hostile import leftover_processes
+        from tests.rewards.hostile import leftover_processes
         leftovers = [p for p in leftover_processes(set()) if p[2] not in "ZX"]
         assert leftovers == [], "sandbox processes survived"

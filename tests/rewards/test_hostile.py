@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-from hostile import BOUND, FAST, MODES, new_sample, run
-from hostile import run_cases as _sequential_cases
+from tests.rewards.hostile import BOUND, FAST, MODES, new_sample, run
+from tests.rewards.hostile import run_cases as _sequential_cases
 from rewards.code_reward import code_reward
 from rewards.sandbox import RUN_GRACE_S, resolve_mode
 
@@ -33,7 +33,7 @@ def test_a_killed_reward_process_leaves_no_sandbox_behind(mode):
     import sys
     import time
 
-    from hostile import descendants, marked_files, marked_processes
+    from tests.rewards.hostile import descendants, marked_files, marked_processes
     sample = new_sample()
     # the marker appears reversed in the script's own command line, as itself only in the sandbox's child
     code = (f"import subprocess, sys, time\ndef f():\n    open({sample.marker[::-1]!r}[::-1], 'w').close()\n"
@@ -294,5 +294,5 @@ def test_the_deadline_covers_judging_on_the_direct_path(mode):
     seconds = time.monotonic() - t0
     assert out.extras["outcomes"][0] == "timeout" and out.extras["outcomes"][1] == "timeout", out
     assert seconds < 2 * 1.0 + TEST_GRACE_S + RUN_GRACE_S, seconds  # far below total_timeout_s = 20 s
-    from hostile import assert_nothing_left
+    from tests.rewards.hostile import assert_nothing_left
     assert_nothing_left(sample)

@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from hostile import BOUND, FAST, MODES, assert_nothing_left, new_sample, run
-from hostile import run_cases as _sequential_cases
+from tests.rewards.hostile import BOUND, FAST, MODES, assert_nothing_left, new_sample, run
+from tests.rewards.hostile import run_cases as _sequential_cases
 from rewards.code_reward import code_reward
 from rewards.sandbox import RUN_GRACE_S, TEST_GRACE_S, resolve_mode
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from hostile import BOUND, FAST, MODES
+from tests.rewards.hostile import BOUND, FAST, MODES
 from rewards.code_reward import code_reward
 
 

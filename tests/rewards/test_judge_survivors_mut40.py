@@ -21,7 +21,7 @@ import json
 import signal
 import time
 
-from test_judge_inprocess_40 import Harness, _call_spec, _v, judge
+from tests.rewards.test_judge_inprocess_40 import Harness, _call_spec, _v, judge
 
 from rewards import _judge as J
 from rewards._plain import plain_encode
@@ -104,7 +104,7 @@ def _sized(size, name):
 
 
 def test_a_line_is_read_up_to_the_record_cap_and_the_next_test_still_reads_its_answers(monkeypatch):
-    import test_judge_inprocess_40 as H
+    import tests.rewards.test_judge_inprocess_40 as H
     bound = 3000
     tests = [_call_spec(["f"], src="assert f() == 'x'"), _call_spec(["g"], src="assert g() == 2")]
     assert J.record_cap(bound) == 6 * bound + 4096
@@ -122,7 +122,7 @@ class _Closes(Harness):
 
 
 def test_a_channel_the_harness_closed_is_died(monkeypatch):
-    import test_judge_inprocess_40 as H
+    import tests.rewards.test_judge_inprocess_40 as H
     monkeypatch.setattr(H, "Harness", _Closes)
     recs, _ = judge([_call_spec(["f"], src="try:\n    f()\nexcept BaseException:\n    pass")], names={"f": len})
     assert _v(recs) == [(False, "died")]
@@ -145,7 +145,7 @@ class _Stale(Harness):
 
 
 def test_a_stale_answer_is_never_taken_for_a_later_request(monkeypatch):
-    import test_judge_inprocess_40 as H
+    import tests.rewards.test_judge_inprocess_40 as H
     monkeypatch.setattr(H, "Harness", _Stale)
     tests = [_call_spec(["f"], src="f(0)")] + [_call_spec(["f"], src=f"assert f({x}) == {x + 1}") for x in (1, 2)]
     recs, _ = judge(tests, test_timeout=0.3, names={"f": lambda x: x + 1})
@@ -182,7 +182,7 @@ def _runs(groups):
 
 
 def test_self_contained_tests_go_to_the_harness_in_runs_ahead_of_their_verdicts(monkeypatch):
-    import test_judge_inprocess_40 as H
+    import tests.rewards.test_judge_inprocess_40 as H
     monkeypatch.setattr(H, "Harness", _runs([[0, 1, 2], [4, 5]]))
     sc = [{"kind": "call", "src": f"assert sq({x}) == {x * x}", "names": ["sq"],
            "first": {"name": "sq", "args": plain_encode([x]), "kwargs": plain_encode({})}} for x in range(6)]

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from hostile import FAST, MODES
+from tests.rewards.hostile import FAST, MODES
 from rewards.code_reward import code_reward
 from rewards.prompt_helpers import prompt_helpers
 

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from hostile import MODES
+from tests.rewards.hostile import MODES
 from rewards import sandbox, sandbox_cleaner
 from rewards.code_reward import code_reward
 from rewards.sandbox_rmtree import remove_path

@@ -1,0 +1,1 @@
+"""Tests of rewards/envs/, one file per module: rewards/envs/x.py -> test_x.py."""
