@@ -1,4 +1,4 @@
-"""Candidate sampling rules the mutation run of rollout/sampling.py found unpinned (issue 40): the documented
+"""Candidate sampling rules the decoding tests leave unpinned: the documented
 "off" values of top-k / top-p / penalty, the nucleus tie rule, top-k = 1, fp32 Gumbel noise, sampling without
 generators, and the penalty applied only where a previous token exists. Each rule checked on a class of inputs
 against a plain-Python reference."""

@@ -1,4 +1,4 @@
-"""StreamingWeightLoader (rollout/weight_loading.py) on tiny modules (issue 40, mutation testing): which keys it
+"""StreamingWeightLoader (rollout/weight_loading.py) on tiny modules: which keys it
 expects (the model's own, or for an FP8 model the unconverted model's), that parts load in place, and the
 errors naming the keys: an unknown key at once, the keys no part delivered at `finish()` (how many, the first
 eight in sorted order)."""
