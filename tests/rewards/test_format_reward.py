@@ -1,17 +1,39 @@
-"""Every parse of policy text in the reward process is linear: a megabyte of each nasty shape parses in
-well under a second (the old fence regex took 15-36 s on 160 kB), and the scanner gives what the regex
-it replaced gave on small random texts."""
+"""The format rewards (rewards/format_reward.py): what passes and fails each form check; and every parse of
+policy text in the reward process is linear: a megabyte of each nasty shape parses in well under a second (the
+old fence regex took 15-36 s on 160 kB), and the scanner gives what the regex it replaced gave on small random
+texts (`code_blocks`, `last_boxed`, and `rewards.code_reward.extract_code`, which reads the same fences)."""
 import random
 import re
 import time
 
 import pytest
 
+from rewards import load_reward
 from rewards.code_reward import extract_code
 from rewards.format_reward import code_blocks, format_boxed, format_code, last_boxed
 
+
+def test_format_rewards():
+    fb, fc, f = load_reward("format_boxed"), load_reward("format_code"), load_reward("format")
+    assert fb(completion="so \\boxed{\\frac{1}{2}}").score == 1.0
+    assert fb(completion="so \\boxed{}").score == 0.0
+    assert fb(completion="so \\boxed{12").score == 0.0
+    assert fb(completion="160").score == 0.0
+    assert fc(completion="```python\nprint(1)\n```").score == 1.0
+    assert fc(completion="```\nprint(1)\n```").score == 1.0
+    assert fc(completion="```rust\nfn main(){}\n```").score == 0.0
+    assert fc(completion="print(1)").score == 0.0
+    assert f(completion="```py\nx=1\n```", kind="code").score == 1.0
+    with pytest.raises(ValueError, match="kind"):
+        f(completion="", kind="nope")
+
+
 MB = 1 << 20
+
+
 HONEST = "```python\ndef add(a, b):\n    return a + b\n```\n"
+
+
 NASTY = {
     "fence_then_word_chars": "```" + "a" * MB,
     "fence_then_long_header": "```python" + "x" * MB + "\n",
@@ -25,6 +47,8 @@ NASTY = {
     "boxed_open_braces": "\\boxed{" + "{" * MB,
     "boxed_alternating": "\\boxed{" + "{}" * (MB // 2),
 }
+
+
 # the regex the fence scanner replaced (quadratic on a fence followed by a long line), as the oracle
 OLD_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
 
