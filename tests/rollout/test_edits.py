@@ -1,12 +1,15 @@
-"""Edit precision: `rollout.edits.edit_counts` on a hand-built trace, the decoder's edit log against the
-canvases its `on_step` events show, and the evaluation metrics built from both."""
-import math
+"""Edit precision: `rollout.edits.edit_counts` on a hand-built trace, the decoder's edit log against the canvases its
+`on_step` events show, and the evaluation metrics built from both.
 
+Edit precision counts against their plain rule, on classes of inputs."""
+import math
+import random
+
+import pytest
 
 from ebpo.sft.evaluation import EvalResult
-from rollout.edits import edit_metrics
 from rollout import DecodeConfig, generate
-from rollout.edits import EditCounts, edit_counts
+from rollout.edits import EditCounts, edit_counts, edit_metrics
 
 
 def test_edit_counts_on_a_hand_built_trace():
@@ -57,3 +60,30 @@ def test_decoder_edit_log_matches_the_canvases_of_its_steps(model):
         for i, o in enumerate(outs):
             assert o.edit_log == seen[i] and len(o.edit_log) == o.num_edits
             assert all(old != new for _, old, new in o.edit_log)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_edit_counts_match_the_documented_rule_for_every_offset(seed):
+    """Every offset from before the reference to past its end (the end itself included), tokens drawn from a
+    tiny alphabet so that fixes, breaks and neutral edits (wrong -> other wrong) all occur."""
+    rng = random.Random(seed)
+    ref = [rng.randrange(3) for _ in range(rng.randint(1, 6))]
+    log = [(rng.randint(-2, len(ref) + 2), rng.randrange(3), rng.randrange(3)) for _ in range(40)]
+    log += [(len(ref), ref[-1], ref[-1] + 1)]  # exactly one past the end: an edit, never a fix or a break
+    fixes = breaks = 0
+    for off, old, new in log:
+        if 0 <= off < len(ref):
+            fixes += old != ref[off] and new == ref[off]
+            breaks += old == ref[off] and new != ref[off]
+    assert edit_counts(log, ref) == EditCounts(len(log), fixes, breaks)
+
+
+def test_neutral_edits_are_neither_fixes_nor_breaks():
+    ref = [5, 6, 7]
+    assert edit_counts([(0, 1, 2), (1, 3, 4), (2, 8, 9)], ref) == EditCounts(3, 0, 0)
+
+
+def test_edit_metrics_default_prefix_is_eval():
+    m = edit_metrics(["math"], [EditCounts(2, 1, 1)])
+    assert m == {"eval/math/edit_precision": 0.5, "eval/math/edits_per_seq": 2.0, "eval/math/fixes_per_seq": 1.0,
+                 "eval/math/breaks_per_seq": 1.0}
