@@ -83,7 +83,6 @@ EXEMPT = {
     "rollout/runners.py": REORGANISING,
     "rollout/sequence.py": REORGANISING,
     "rollout/show.py": REORGANISING,
-    "rollout/static_slots.py": REORGANISING,
     "rollout/trajectory.py": REORGANISING,
     "rollout/weight_sync.py": REORGANISING + " (its tests are tests/rl/test_weight_sync.py)",
     "rollout/worker.py": REORGANISING,
