@@ -2,7 +2,12 @@
 `trainer.partial_rollouts=true`): unfinished groups carry over to later steps with a weight version per block, the
 lag bound holds, a frozen policy gives importance weights of exactly 1, and a run resumed from a checkpoint taken
 with sequences in flight repeats the uninterrupted run."""
+import contextlib
+from types import SimpleNamespace
+
 import pytest
+
+import ebpo.rl.partial_collect as pc
 
 ray = pytest.importorskip("ray")
 
@@ -184,3 +189,229 @@ def test_the_learner_keeps_the_versions_a_carried_block_may_come_from(data):
     assert load_config(RLConfig, None, base + ["trainer.max_staleness=1"]).learner.max_staleness == 2
     assert load_config(RLConfig, None, base + ["trainer.partial_max_lag=3"]).learner.max_staleness == 3
     assert load_config(RLConfig, None, base[:-1]).learner.max_staleness == 0
+
+
+# The driver's ledger without Ray: `collect_partial` against stand-in rollout workers that keep the groups they are
+# given and return, drop or forget them as each test says, checked against the rules of the module docstring and
+# docs/concepts/async-partial.md ("How many are in flight", "The lag bound", "Faults", "Metrics").
+
+class StandInWorker:
+    """A rollout worker's `generate_partial` contract (rollout/worker.py): it keeps every sequence it is given by
+    group tag; each call returns the groups `decide(worker, quota)` names as finished (all their members), drops
+    the ones named dropped (counted in sequences), forgets the ones named forgotten (a restarted worker) and
+    holds the rest. Every sample has 4 tokens; a group's tokens count as carried when it was given in an
+    earlier call."""
+
+    def __init__(self, decide=None):
+        self.calls, self.held, self.age = [], {}, {}
+        self.decide = decide or (lambda w, quota: {"finish": list(w.held)[:quota]})
+
+    def submit(self, method, *args):
+        assert method == "generate_partial"
+        self.calls.append(args)
+        ids, _seeds, tags = args[:3]
+        for t, i in zip(tags, ids):
+            self.held.setdefault(t, []).append(i)
+            self.age.setdefault(t, len(self.calls))
+        return len(self.calls)
+
+    def result(self, ticket):
+        quota = self.calls[ticket - 1][3]
+        plan = self.decide(self, quota)
+        samples, carried, dropped = [], 0, 0
+        for t in plan.get("finish", []):
+            for j, _ in enumerate(self.held.pop(t)):
+                samples.append({"tag": t, "token_ids": [5, 6, 7, 8], "text": f"{t}/{j}", "num_forwards": 1,
+                                "tpf": 4.0, "num_edits": 0, "finished_by_eos": True})
+                carried += 4 if self.age[t] < ticket else 0
+        for t in plan.get("drop", []):
+            dropped += len(self.held.pop(t))
+        for t in plan.get("forget", []):
+            del self.held[t]
+        return {"samples": samples, "held": list(self.held), "dropped_tags": list(plan.get("drop", [])),
+                "stats": {"carried_tokens": carried, "returned_tokens": 4 * len(samples), "dropped": dropped}}
+
+    def call(self, method, *args):
+        self.calls.append((method, *args))
+        return {"carried": sorted(self.held)} if method == "partial_state" else None
+
+
+class StandInWeights:
+    def __init__(self, version):
+        self.version, self.held = version, []
+
+    @contextlib.contextmanager
+    def holding(self, weights):
+        self.held.append(weights)
+        yield
+
+
+def _stand_in_run(workers, P=2, G=3, extra=None, max_lag=None, staleness=0, overdue="wait", version=5, multi_turn=False):
+    rows = iter([{"prompt": f"q{i}", "answer": str(i)} for i in range(1000)])
+    drawn = []
+
+    def next_rows(n):
+        drawn.append(n)
+        return [next(rows) for _ in range(n)]
+
+    cfg = SimpleNamespace(rollout=SimpleNamespace(group_size=G, prompts_per_step=P),
+                          trainer=SimpleNamespace(partial_extra_groups=extra, partial_max_lag=max_lag,
+                                                  max_staleness=staleness, partial_overdue=overdue, seed=11),
+                          env=SimpleNamespace(multi_turn=multi_turn), data=SimpleNamespace(prompt_field="prompt"))
+    scored = []
+    return SimpleNamespace(cfg=cfg, partial=pc.PartialLedger(), sampler=SimpleNamespace(next=next_rows), drawn=drawn,
+                           prompts=SimpleNamespace(encode=lambda row: [int(row["answer"]), 1]),
+                           weights=StandInWeights(version), scored=scored,
+                           cluster=SimpleNamespace(rollout_workers=workers,
+                                                   score=lambda inputs: scored.append(inputs) or [0.0] * len(inputs)))
+
+
+@pytest.fixture
+def records(monkeypatch):
+    """`build_record` replaced by what it was given (the record's own tests are tests/rl/test_step.py)."""
+    def build(run, step, rows, prompt_ids, samples, results, times):
+        return SimpleNamespace(step=step, rows=rows, prompt_ids=prompt_ids, samples=samples, results=results,
+                               times=times, metrics={})
+
+    monkeypatch.setattr(pc, "build_record", build)
+
+
+def _tags(worker):
+    """The group tags of each generate_partial call (one per group, in order)."""
+    return [list(dict.fromkeys(args[2])) for args in worker.calls if not isinstance(args[0], str)]
+
+
+def test_groups_in_flight_are_prompts_per_step_plus_extra_and_refilled_by_what_left(records):
+    w = StandInWorker()
+    run = _stand_in_run([w], P=2, extra=None)
+    m = pc.collect_partial(run, 1).metrics  # extra defaults to prompts_per_step: 4 groups in flight
+    assert run.drawn == [4] and len(_tags(w)[0]) == 4
+    assert m["partial/in_flight_groups"] == 2 and m["partial/groups_started"] == 4
+    w.decide = lambda w, quota: {"finish": list(w.held)[:3], "drop": list(w.held)[3:4]}
+    m = pc.collect_partial(run, 2).metrics  # draws 2 (back to 4); 3 finish, 1 dropped: 5 left the ledger
+    assert run.drawn == [4, 2] and m["partial/in_flight_groups"] == 0 and m["partial/groups_started"] == 6
+    pc.collect_partial(run, 3)
+    assert run.drawn == [4, 2, 4]
+    run = _stand_in_run([StandInWorker()], P=3, extra=1)
+    pc.collect_partial(run, 1)
+    assert run.drawn == [4]
+    run = _stand_in_run([StandInWorker()], P=3, extra=0)
+    assert pc.collect_partial(run, 1).metrics["partial/in_flight_groups"] == 0 and run.drawn == [3]
+
+
+def test_the_nth_group_started_goes_to_worker_n_mod_w_with_its_share_of_the_quota(records):
+    ws = [StandInWorker(), StandInWorker(), StandInWorker()]
+    run = _stand_in_run(ws, P=4, G=2, extra=1)  # 5 groups: workers 0, 1, 2, 0, 1
+    pc.collect_partial(run, 7)
+    assert [len(_tags(w)[0]) for w in ws] == [2, 2, 1]
+    assert sorted(w.calls[0][3] for w in ws) == [1, 1, 2] and sum(w.calls[0][3] for w in ws) == 4
+    started = {t: n for n, t in enumerate(f"7:{i}" for i in range(5))}
+    for k, w in enumerate(ws):
+        ids, seeds, tags = w.calls[0][:3]
+        assert all(started[t] % 3 == k for t in tags) and len(tags) == len(ids) == len(seeds)
+        assert all(tags.count(t) == 2 for t in tags)  # the whole group, group_size sequences
+    # the members of one group share its prompt ids; every sequence of the step has its own seed
+    seeds = [s for w in ws for s in w.calls[0][1]]
+    assert len(set(seeds)) == 10
+    pc.collect_partial(run, 8)  # the quota finished: 4 new groups continue the count (5, 6, 7, 8)
+    assert [len(_tags(w)[1]) for w in ws] == [1, 1, 2]
+
+
+def test_the_lag_bound_decides_min_and_due_versions(records):
+    """Sequences older than the learner that trains the step minus partial_max_lag are dropped by the worker
+    (min_version); with partial_overdue=wait the groups the next step would drop are due now (due_version)."""
+    cases = [  # (max_lag, max_staleness, overdue, held version, weights given) -> min_version, due_version
+        (None, 0, "wait", 5, None, 4, 5),
+        (None, 2, "wait", 5, None, 4, 5),  # trained by version 7, default lag 3
+        (2, 1, "drop", 5, None, 4, None),
+        (3, 1, "wait", 5, 9, 7, 8),  # the weights this step holds decide, not the run's
+    ]
+    for lag, s, overdue, held, given, lo, due in cases:
+        w = StandInWorker()
+        run = _stand_in_run([w], max_lag=lag, staleness=s, overdue=overdue, version=held)
+        weights = None if given is None else SimpleNamespace(version=given)
+        pc.collect_partial(run, 1, weights)
+        assert w.calls[0][4:] == (lo, None, due), (lag, s, overdue)
+        assert run.weights.held == [weights]  # the workers hold them while they decode
+
+
+def test_lost_and_dropped_work_is_counted_in_sequences_and_every_group_once(records):
+    G = 3
+    ws = [StandInWorker(), StandInWorker()]
+    run = _stand_in_run(ws, P=2, G=G, extra=2)  # 4 groups: 2 per worker
+    pc.collect_partial(run, 1)  # each worker finishes 1, holds 1
+
+    def carried(w):
+        return [t for t in w.held if w.age[t] < len(w.calls)]
+
+    ws[0].decide = lambda w, q: {"forget": carried(w)}  # worker 0 restarted: its carried group is gone
+    ws[1].decide = lambda w, q: {"drop": carried(w), "finish": [t for t in w.held if t not in carried(w)]}
+    m = pc.collect_partial(run, 2).metrics
+    assert (m["partial/lost"], m["partial/dropped"]) == (G, G)
+    ws[1].decide = lambda w, q: {}
+    m = pc.collect_partial(run, 3).metrics
+    assert m["partial/lost"] == G and m["partial/dropped"] == 0
+    assert m["partial/lost_total"] == 2 * G and m["partial/dropped_total"] == G
+    assert (run.partial.lost, run.partial.dropped) == (2 * G, G)
+    trained = sum(len(x) for x in run.scored) // G
+    assert m["partial/groups_started"] == trained + (m["partial/lost_total"] + m["partial/dropped_total"]) / G \
+        + m["partial/in_flight_groups"]
+    assert m["partial/in_flight_groups"] == len(ws[0].held) + len(ws[1].held) > 0
+
+
+def test_returned_groups_are_trained_with_their_rows_prompts_and_carried_share(records):
+    G = 2
+    w = StandInWorker(lambda w, q: {"finish": list(w.held)[:q]})
+    run = _stand_in_run([w], P=1, G=G, extra=1)
+    rec = pc.collect_partial(run, 1)  # group 0 finishes at once, group 1 carries over
+    assert rec.metrics["partial/carried_token_share"] == 0.0
+    assert [r["prompt"] for r in rec.rows] == ["q0"] and rec.prompt_ids == [[0, 1]] * G
+    w.decide = lambda w, q: {"finish": list(w.held)}  # group 1 (carried) and group 2 (new)
+    rec = pc.collect_partial(run, 2)
+    assert [r["prompt"] for r in rec.rows] == ["q1", "q2"] and rec.prompt_ids == [[1, 1]] * G + [[2, 1]] * G
+    assert rec.metrics["partial/carried_token_share"] == 0.5  # 8 of the 16 tokens were decoded in step 1
+    assert [x["prompt"] for x in run.scored[-1]] == ["q1"] * G + ["q2"] * G
+    assert [x["completion"] for x in run.scored[-1]] == [s.text for s in rec.samples]
+    w.decide = lambda w, q: {}
+    assert pc.collect_partial(run, 3).metrics["partial/carried_token_share"] == 0.0  # nothing returned
+    assert set(rec.times) == {"timing_s/rollout", "timing_s/reward"} and rec.step == 2
+
+
+def test_multi_turn_groups_take_their_rows_and_their_decoded_prompts(records):
+    traj = {"prompt_ids": [9, 9, 9], "ids": [9, 9, 9, 5, 6, 7, 8], "generated": [False] * 3 + [True] * 4,
+            "segment": [0, 0, 0, 1, 1, 1, 1], "turns": []}
+
+    class MultiTurn(StandInWorker):
+        def result(self, ticket):
+            out = super().result(ticket)
+            for d in out["samples"]:
+                d["trajectory"] = traj
+            return out
+
+    w = MultiTurn()
+    run = _stand_in_run([w], P=1, G=2, extra=0, multi_turn=True)
+    rec = pc.collect_partial(run, 1)
+    assert w.calls[0][5] == [{"prompt": "q0", "answer": "0"}] * 2  # the row of every sequence, for its environment
+    assert rec.prompt_ids == [[9, 9, 9]] * 2  # as decoded (the environment's first observation included)
+    single = StandInWorker()
+    pc.collect_partial(_stand_in_run([single], P=1, G=2, extra=0), 1)
+    assert single.calls[0][5] is None
+
+
+def test_the_ledger_and_the_workers_state_round_trip():
+    ledger = pc.PartialLedger(pending={"1:0": {"row": {"prompt": "q"}, "ids": [1], "worker": 1}}, dropped=6, lost=3,
+                              started=9)
+    state = ledger.state()
+    again = pc.PartialLedger.from_state(state)
+    assert again == ledger and again.pending is not ledger.pending
+    ws = [StandInWorker(), StandInWorker(), StandInWorker()]
+    ws[1].held = {"1:0": [[1]]}
+    run = SimpleNamespace(partial=ledger, cluster=SimpleNamespace(rollout_workers=ws))
+    saved = pc.partial_state(run)
+    assert saved == {"ledger": state, "workers": [{"carried": []}, {"carried": ["1:0"]}, {"carried": []}]}
+    pc.restore_partial(run, {"ledger": state, "workers": saved["workers"][:2]})
+    assert run.partial == ledger and run.partial is not ledger
+    assert [w.calls[-1] for w in ws] == [("restore_partial", {"carried": []}), ("restore_partial", {"carried": ["1:0"]}),
+                                         ("restore_partial", None)]  # a worker beyond the saved ones starts empty
+    pc.restore_partial(run, None)  # a checkpoint written without partial rollouts
+    assert run.partial == pc.PartialLedger() and [w.calls[-1] for w in ws] == [("restore_partial", None)] * 3
