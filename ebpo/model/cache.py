@@ -77,6 +77,11 @@ class BlockKVCache:
         """S of the current forward (0 before any `begin`)."""
         return self._view.prefix_len if self._view is not None else 0
 
+    def cascade(self, layer: int, keep: torch.Tensor | None):
+        """Keys/values split for cascade attention over shared pages (`PagedKVCache.cascade`); a dense cache
+        shares no storage between rows: None."""
+        return None
+
     def shared_prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """(K, V, C) when the view's rows are C copies of rows 0..n-1 whose prefixes are all whole (`uniform`):
         K, V (n, S, kv_heads, head_dim) are the n distinct prefixes, read in place (no gather), for attention

@@ -30,6 +30,7 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from kernels.attention import copy_block_attention
+from kernels.cascade import cascade_attention
 
 from ebpo.model.masks import CopyBlockLayout, padding_to_block_causal, block_causal_mask
 from ebpo.model.cache import BlockKVCache, StaticKVCache
@@ -109,6 +110,9 @@ class LLaDA2MoeAttention(nn.Module):
             cache = None
         if cache is not None:
             cache.stage(self.layer_idx, k, v)
+            split = cache.cascade(self.layer_idx, keep_mask)
+            if split is not None:  # rows reading the same cached pages: their shared keys are scored once
+                return self.dense(self._cascade(q, k, v, keep_mask, split).reshape(B, L, -1))
             k_prev, v_prev = cache.prefix(self.layer_idx)
             k = torch.cat([k_prev.to(k.dtype), k], dim=1)
             v = torch.cat([v_prev.to(v.dtype), v], dim=1)
@@ -119,6 +123,20 @@ class LLaDA2MoeAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_mask,
                                              enable_gqa=self.num_kv_heads != self.num_heads)
         return self.dense(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
+
+    def _cascade(self, q, k, v, keep: torch.Tensor, split) -> torch.Tensor:
+        """q (B, L, heads, D), k, v (B, L, kv_heads, D) after RoPE -> (B, L, heads, D): the grouped rows of `split`
+        (a `PagedKVCache.cascade`) by `kernels.cascade.cascade_attention`, the others as usual."""
+        out = q.new_empty(q.shape)
+        out[split.rows] = cascade_attention(q, split.groups, split.rest_k, split.rest_v, split.rest_keep)
+        if split.plain.numel():
+            p = split.plain
+            kk = torch.cat([split.plain_k.to(k.dtype), k[p]], dim=1).transpose(1, 2)
+            vv = torch.cat([split.plain_v.to(v.dtype), v[p]], dim=1).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q[p].transpose(1, 2), kk, vv, attn_mask=keep[p],
+                                               enable_gqa=self.num_kv_heads != self.num_heads)
+            out[p] = o.transpose(1, 2)
+        return out
 
     def _copy_block(self, q, k, v, layout: CopyBlockLayout, cache: BlockKVCache | None) -> torch.Tensor:
         """Attention of a `CopyBlockLayout` input (see ebpo.model.masks): block by block, no mask."""

@@ -10,12 +10,48 @@ a commit into a page another row also reads copies it first, so a reader never s
 
 The model sees the same interface as `BlockKVCache` (begin / prefix / stage / commit / truncate), and the same
 numbers: `prefix` gathers each row's pages into the (b, S, kv_heads, head_dim) layout attention reads.
+
+Rows that reference the same leading pages (the samples of one prompt) are also offered to attention as groups
+(`cascade`): a group's shared keys are gathered once and its queries scored against them together
+(`kernels.cascade`), so a shared prompt is read once per forward as well as stored once.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ebpo.model.cache import BlockKVCache, CacheView
+
+
+@dataclass
+class CascadePlan:
+    """How one forward's rows split into groups that share leading pages, and the rest (view row indices).
+
+    groups: per group (rows (n,) long, flat pool positions of its shared keys (S_g,) long); rows: the grouped
+    rows in group order (c,); rest_index (c, R) flat pool positions of each grouped row's cached positions after
+    its shared ones (padding: any position, masked); rest_keep (c, 1, L, R + L) bool, the keep-mask over them and
+    the new keys; plain: the rows in no group (p,)."""
+    groups: list
+    rows: torch.Tensor
+    rest_index: torch.Tensor
+    rest_keep: torch.Tensor
+    plain: torch.Tensor
+
+
+@dataclass
+class CascadeInputs:
+    """One layer's keys/values for `kernels.cascade.cascade_attention` (grouped rows) and plain attention (the
+    rest): groups (rows, shared K (S_g, kv, D), shared V); rest_k / rest_v (c, R + L, kv, D) with rest_keep;
+    plain_k / plain_v (p, S, kv, D), the committed prefixes of the plain rows (None when there are none)."""
+    groups: list
+    rows: torch.Tensor
+    rest_k: torch.Tensor
+    rest_v: torch.Tensor
+    rest_keep: torch.Tensor
+    plain: torch.Tensor
+    plain_k: torch.Tensor | None
+    plain_v: torch.Tensor | None
 
 
 class PagedKVCache(BlockKVCache):
@@ -40,6 +76,8 @@ class PagedKVCache(BlockKVCache):
         self._pending: list = [None] * num_layers
         self._view: CacheView | None = None
         self._index: torch.Tensor | None = None
+        self._plan_for: torch.Tensor | None = None  # the keep-mask `_plan` was made for (one per forward)
+        self._plan: CascadePlan | None = None
         self.peak_pages = 0
 
     @classmethod
@@ -109,6 +147,7 @@ class PagedKVCache(BlockKVCache):
                 pages = torch.tensor(self.tables[r][: -(-n // P)], dtype=torch.long, device=dev)
                 idx[i, :n] = (pages[:, None] * P + torch.arange(P, device=dev)).reshape(-1)[:n]
         self._index = idx
+        self._plan_for = self._plan = None
         return view
 
     def prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +159,74 @@ class PagedKVCache(BlockKVCache):
 
     def shared_prefix(self, layer: int):
         return None  # the copy-block layout of the learner reads a BlockKVCache
+
+    def cascade(self, layer: int, keep: torch.Tensor | None) -> CascadeInputs | None:
+        """This forward's keys/values of `layer` split for cascade attention (`CascadeInputs`), or None when no
+        two rows share a visible leading page. keep: the forward's keep-mask (b, 1, L, S + L); call after
+        `stage(layer, ...)`: the new keys are read from it."""
+        if keep is not self._plan_for:
+            self._plan_for, self._plan = keep, self._make_plan(keep)
+        plan = self._plan
+        if plan is None:
+            return None
+        kv, D = self._shape
+        pk, pv = self.k[layer].reshape(-1, kv, D), self.v[layer].reshape(-1, kv, D)
+        k_new, v_new = self._pending[layer]
+        c, R = plan.rest_index.shape
+        flat = plan.rest_index.reshape(-1)
+        rest_k = torch.cat([pk.index_select(0, flat).reshape(c, R, kv, D).to(k_new.dtype), k_new[plan.rows]], 1)
+        rest_v = torch.cat([pv.index_select(0, flat).reshape(c, R, kv, D).to(v_new.dtype), v_new[plan.rows]], 1)
+        groups = [(rows, pk.index_select(0, idx), pv.index_select(0, idx)) for rows, idx in plan.groups]
+        plain_k = plain_v = None
+        if plan.plain.numel():
+            idx = self._index[plan.plain]
+            p, S = idx.shape
+            plain_k = pk.index_select(0, idx.reshape(-1)).reshape(p, S, kv, D)
+            plain_v = pv.index_select(0, idx.reshape(-1)).reshape(p, S, kv, D)
+        return CascadeInputs(groups, plan.rows, rest_k, rest_v, plan.rest_keep, plan.plain, plain_k, plain_v)
+
+    def _make_plan(self, keep: torch.Tensor | None) -> CascadePlan | None:
+        """Group the view's rows by shared leading pages that every query of every member sees (module docstring);
+        None when there is no group of two rows sharing a page or more."""
+        view, P = self._view, self.page
+        S = view.prefix_len if view is not None else 0
+        if keep is None or S < P or keep.dim() != 4 or keep.shape[0] != len(view.rows_list):
+            return None
+        rows = view.rows_list
+        # prefix positions every query of the row sees, counted from 0 (padded queries see none)
+        lead = keep[:, 0, :, :S].all(dim=1).int().cumprod(dim=1).sum(dim=1).tolist()
+        by_first: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            if min(self.lengths[r], lead[i]) >= P:
+                by_first.setdefault(self.tables[r][0], []).append(i)
+        groups, members, shared = [], [], []
+        for found in by_first.values():
+            if len(found) < 2:
+                continue
+            first = self.tables[rows[found[0]]]
+            pages = min(_common(first, self.tables[rows[i]], self.lengths[rows[i]] // P) for i in found)
+            n = min([pages * P] + [lead[i] for i in found])
+            if n < P:
+                continue
+            idx = (torch.tensor(first[:-(-n // P)], dtype=torch.long, device=keep.device)[:, None] * P
+                   + torch.arange(P, device=keep.device)).reshape(-1)[:n]
+            groups.append((torch.tensor(found, dtype=torch.long, device=keep.device), idx))
+            members += found
+            shared += [n] * len(found)
+        if not groups:
+            return None
+        dev = keep.device
+        R = S - min(shared)
+        pos = torch.tensor(shared, device=dev)[:, None] + torch.arange(R, device=dev)[None]  # (c, R)
+        inside = pos < S
+        pos = pos.clamp(max=S - 1)
+        m = torch.tensor(members, dtype=torch.long, device=dev)
+        rest_index = self._index[m].gather(1, pos)
+        L = keep.shape[2]
+        k_rest = keep[m][:, :, :, :S].gather(3, pos[:, None, None, :].expand(-1, 1, L, -1)) & inside[:, None, None, :]
+        rest_keep = torch.cat([k_rest, keep[m][:, :, :, S:]], dim=3)
+        plain = torch.tensor([i for i in range(len(rows)) if i not in set(members)], dtype=torch.long, device=dev)
+        return CascadePlan(groups, m, rest_index, rest_keep, plain)
 
     def commit(self, num_tokens: int | list[int]) -> None:
         view = self._view
@@ -176,3 +283,14 @@ class PagedKVCache(BlockKVCache):
             self.refs[p] += 1
         self.tables[dst] = list(shared)
         self.lengths[dst] = num_tokens
+
+
+def _common(a: list[int], b: list[int], limit: int) -> int:
+    """Leading entries a and b share, at most `limit`."""
+    limit = min(limit, len(a), len(b))
+    if a[:limit] == b[:limit]:  # the usual case (references of one prompt's pages): one list comparison
+        return limit
+    n = 0
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n

@@ -87,3 +87,90 @@ def test_a_shared_prompt_is_held_once_and_copied_on_write():
     for r in range(B):
         paged.truncate([r], [0])
     assert paged.pages_in_use == 0
+
+
+def _attend_reference(q, k, v, keep):
+    """q (b, Lq, Hq, D), k, v (b, N, kv, D), keep (b, 1, Lq, N) -> (b, Lq, Hq, D): softmax attention in float64,
+    query head h reading kv head h // (Hq / kv)."""
+    rep = q.shape[2] // k.shape[2]
+    kk, vv = k.double().repeat_interleave(rep, 2), v.double().repeat_interleave(rep, 2)
+    s = torch.einsum("blhd,bnhd->bhln", q.double(), kk) / q.shape[-1] ** 0.5
+    s = s.masked_fill(~keep, float("-inf"))
+    return torch.einsum("bhln,bnhd->blhd", torch.softmax(s, -1), vv)
+
+
+def _cascade_output(cache, layer, q, keep):
+    """What the model's attention computes from `cache.cascade` (grouped rows) and the plain prefix (the rest)."""
+    from kernels.cascade import cascade_attention
+    split = cache.cascade(layer, keep)
+    k_new, v_new = cache._pending[layer]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    out[split.rows] = cascade_attention(q, split.groups, split.rest_k, split.rest_v, split.rest_keep).double()
+    if split.plain.numel():
+        p = split.plain
+        out[p] = _attend_reference(q[p], torch.cat([split.plain_k, k_new[p]], 1), torch.cat([split.plain_v, v_new[p]], 1),
+                                   keep[p])
+    return split, out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_cascade_split_gives_attention_over_each_rows_prefix(seed):
+    """Rows that share pages (copies of a prompt, some diverged, one seeing only part of its prefix as an MBE
+    window does, one with a padded query that sees no prefix) split into groups; grouped and plain rows together
+    give exactly attention over every row's own gathered prefix and new keys."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    Hq, n_rows, pg = 4, 6, 4
+    paged = PagedKVCache(L, n_rows, 48, H, D, page=pg)
+    vals = [(torch.randn(1, 12, H, D, generator=g), torch.randn(1, 12, H, D, generator=g))] * L
+    _forward(paged, [0], 12, vals)
+    paged.commit(12)
+    for r in range(1, n_rows - 1):
+        paged.copy_prefix(0, r, rng.choice([8, 12]))
+    own = [(torch.randn(n_rows, 6, H, D, generator=g), torch.randn(n_rows, 6, H, D, generator=g))] * L
+    _forward(paged, list(range(n_rows)), 6, own)
+    paged.commit([rng.randint(0, 6) for _ in range(n_rows)])  # diverged tails; the last row holds its own keys only
+    rows = rng.sample(range(n_rows), n_rows)
+    Lq = 3
+    view = paged.begin(rows)
+    S = view.prefix_len
+    k_new = torch.randn(n_rows, Lq, H, D, generator=g)
+    v_new = torch.randn(n_rows, Lq, H, D, generator=g)
+    paged.stage(0, k_new, v_new)
+    q_start = [paged.lengths[r] for r in rows]
+    q_start[rng.randrange(n_rows)] = 4 * rng.randint(0, 2)  # an MBE-like row that sees part of its prefix
+    keep = torch.zeros(n_rows, 1, Lq, S + Lq, dtype=torch.bool)
+    for i in range(n_rows):
+        keep[i, 0, :, :q_start[i]] = True
+        keep[i, 0, :, S:] = torch.rand(Lq, Lq, generator=g) < 0.5
+        keep[i, 0, :, S:] |= torch.eye(Lq, dtype=torch.bool)
+    padded = rng.randrange(n_rows)
+    keep[padded, 0, -1, :S] = False  # a padding query: it sees itself only
+    q = torch.randn(n_rows, Lq, Hq, D, generator=g)
+    k_prev, v_prev = paged.prefix(0)
+    want = _attend_reference(q, torch.cat([k_prev, k_new], 1), torch.cat([v_prev, v_new], 1), keep)
+    split, got = _cascade_output(paged, 0, q, keep)
+    assert split.rows.numel() + split.plain.numel() == n_rows
+    assert sorted(split.rows.tolist() + split.plain.tolist()) == list(range(n_rows))
+    assert padded not in split.rows.tolist() and len(split.groups) >= 1
+    for rows_g, ks, _ in split.groups:  # a group's members really read the same first pages
+        tables = {tuple(paged.tables[rows[i]][: -(-len(ks) // pg)]) for i in rows_g.tolist()}
+        assert len(tables) == 1 and len(ks) >= pg
+    tol = 16 * (D + S + Lq) * torch.finfo(torch.float32).eps
+    assert torch.allclose(got, want, atol=tol, rtol=0), (got - want).abs().max()
+
+
+def test_no_cascade_without_shared_pages():
+    paged = PagedKVCache(L, 3, 24, H, D, page=P)
+    for r in range(3):
+        _forward(paged, [r], 8, [(torch.randn(1, 8, H, D), torch.randn(1, 8, H, D))] * L)
+        paged.commit(8)
+    paged.begin([0, 1, 2])
+    paged.stage(0, torch.randn(3, 2, H, D), torch.randn(3, 2, H, D))
+    keep = torch.ones(3, 1, 2, 10, dtype=torch.bool)
+    assert paged.cascade(0, keep) is None
+    paged.copy_prefix(0, 2, 8)
+    paged.begin([0, 1, 2])
+    paged.stage(0, torch.randn(3, 2, H, D), torch.randn(3, 2, H, D))
+    split = paged.cascade(0, keep)
+    assert split.rows.tolist() == [0, 2] and split.plain.tolist() == [1] and len(split.groups[0][1]) == 8

@@ -1,0 +1,73 @@
+"""kernels/cascade.py: attention over a shared prefix scored once per group, merged by log-sum-exp, against plain
+softmax attention over each row's concatenated keys written out with explicit per-head loops."""
+import math
+
+import pytest
+import torch
+
+from kernels.cascade import cascade_attention, merge, rows_part
+
+
+def _reference(q, k, v, keep):
+    """q (L, H, D), k, v (N, Hkv, D), keep (L, N) bool -> (L, H, D): softmax(q k^T / sqrt D) v per head, float64."""
+    L, H, D = q.shape
+    rep = H // k.shape[1]
+    out = torch.zeros(L, H, D, dtype=torch.float64)
+    for h in range(H):
+        kh, vh = k[:, h // rep].double(), v[:, h // rep].double()
+        for i in range(L):
+            s = (kh @ q[i, h].double()) / math.sqrt(D)
+            s[~keep[i]] = -math.inf
+            out[i, h] = torch.softmax(s, 0) @ vh
+    return out
+
+
+def _tol(D, N):
+    # float32 scores and sums over N keys of D-term products of O(1) values
+    return 8 * (D + N) * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("heads,kv", [(4, 2), (4, 4), (6, 1)])
+def test_cascade_matches_attention_over_the_concatenated_keys(heads, kv):
+    g = torch.Generator().manual_seed(0)
+    D, L = 16, 5
+    shared_lens = [12, 7]  # two groups
+    members = [[0, 3, 4], [1, 2]]
+    B = 5
+    q = torch.randn(B, L, heads, D, generator=g)
+    shared = [(torch.randn(n, kv, D, generator=g), torch.randn(n, kv, D, generator=g)) for n in shared_lens]
+    R = 6  # each row's own keys after its shared ones (some masked), then its L new keys
+    own_k = torch.randn(B, R + L, kv, D, generator=g)
+    own_v = torch.randn(B, R + L, kv, D, generator=g)
+    own_keep = torch.rand(B, 1, L, R + L, generator=g) < 0.6
+    own_keep[:, 0, :, R:] |= torch.eye(L, dtype=torch.bool)  # every query keeps its own key
+    groups = [(torch.tensor(m), ks, vs) for m, (ks, vs) in zip(members, shared)]
+    order = [r for m in members for r in m]
+    out = cascade_attention(q, groups, own_k[order], own_v[order], own_keep[order])
+    assert out.shape == (B, L, heads, D) and out.dtype == q.dtype
+    for j, r in enumerate(order):
+        gi = 0 if r in members[0] else 1
+        ks, vs = shared[gi]
+        k = torch.cat([ks, own_k[r]])
+        v = torch.cat([vs, own_v[r]])
+        keep = torch.cat([torch.ones(L, len(ks), dtype=torch.bool), own_keep[r, 0]], 1)
+        want = _reference(q[r], k, v, keep)
+        assert torch.allclose(out[j].double(), want, atol=_tol(D, len(k)), rtol=0), (r, (out[j] - want).abs().max())
+
+
+def test_rows_part_is_masked_softmax_attention_and_merge_of_halves_is_the_whole():
+    g = torch.Generator().manual_seed(1)
+    b, L, H, kv, D, N = 3, 4, 4, 2, 8, 10
+    q = torch.randn(b, L, H, D, generator=g)
+    k, v = torch.randn(b, N, kv, D, generator=g), torch.randn(b, N, kv, D, generator=g)
+    keep = torch.rand(b, 1, L, N, generator=g) < 0.7
+    keep[..., 0] = True
+    keep[..., 5] = True
+    out, lse = rows_part(q, k, v, keep)
+    for r in range(b):
+        assert torch.allclose(out[r].double(), _reference(q[r], k[r], v[r], keep[r, 0]), atol=_tol(D, N), rtol=0)
+    # split the keys in two disjoint halves: merging their partial attentions gives the whole
+    a = rows_part(q, k[:, :5], v[:, :5], keep[..., :5])
+    c = rows_part(q, k[:, 5:], v[:, 5:], keep[..., 5:])
+    assert torch.allclose(merge(a[0], a[1], c[0], c[1]), out, atol=_tol(D, N), rtol=0)
+    assert torch.allclose(torch.logaddexp(a[1], c[1]), lse, atol=_tol(D, N), rtol=0)
