@@ -16,6 +16,7 @@ import glob
 import os
 import shutil
 import socket
+import textwrap
 import time
 import uuid
 
@@ -68,6 +69,23 @@ def _leave_traces(marker, port, key, nested):
     except OSError:
         pass
 '''
+
+
+# a HumanEval-style program test (test_program_tests.py, test_code_tests.py): three asserts that call the
+# candidate and one that does not
+HUMANEVAL = textwrap.dedent('''
+    METADATA = {"author": "jt", "dataset": "test"}
+    LIMIT = 0.5
+
+
+    def check(candidate):
+        assert candidate([1.0, 2.0, 3.0], LIMIT) == False
+        assert candidate([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3) == True
+        assert True, "This prints if this assert fails (good for debugging!)"
+        assert candidate([1.1, 2.2, 3.1, 4.1, 5.1], 1.0) == True
+
+    check(has_close_elements)
+''')
 
 
 @dataclasses.dataclass

@@ -1,8 +1,9 @@
-"""Hostile candidates, one or more per class of the second hardening round, in every sandbox mode here:
-verdicts the candidate cannot decide (the judge in its own process, plain data across), work bounded on
-policy text and values, the per-test deadline within the total budget, the judge's catch-all, host unix
-sockets, leftovers of the rlimits mode; and the reward process killed mid-sample. The first round's
-cases are in test_hostile_round1.py.
+"""Hostile candidates in every sandbox mode here: verdicts the candidate cannot decide (the judge in its own
+process, plain data across), work bounded on policy text and values, the per-test deadline within the total
+budget, the judge's catch-all, host unix sockets, leftovers of the rlimits mode, host files the other modes
+show, records that cannot be read, stopped harnesses, zombies, temporary files; and the reward process killed
+mid-sample. Hostile program tests are in test_program_tests.py, the host files bubblewrap hides in
+test_sandbox_fs.py.
 
 Every sample asserts the score an honest judge gives, a wall-time bound, and that no process, file, SysV
 IPC object or socket outlives it (see hostile.py). Modes that need a tool skip cleanly where missing.
@@ -13,10 +14,10 @@ import textwrap
 
 import pytest
 
-from tests.rewards.hostile import BOUND, FAST, MODES, new_sample, run
+from tests.rewards.hostile import BOUND, FAST, MODES, assert_nothing_left, new_sample, run
 from tests.rewards.hostile import run_cases as _sequential_cases
 from rewards.code_reward import code_reward
-from rewards.sandbox import RUN_GRACE_S, resolve_mode
+from rewards.sandbox import RUN_GRACE_S, TEST_GRACE_S, resolve_mode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -296,3 +297,142 @@ def test_the_deadline_covers_judging_on_the_direct_path(mode):
     assert seconds < 2 * 1.0 + TEST_GRACE_S + RUN_GRACE_S, seconds  # far below total_timeout_s = 20 s
     from tests.rewards.hostile import assert_nothing_left
     assert_nothing_left(sample)
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "bwrap"])
+def test_other_modes_still_see_host_files_as_documented(mode):
+    # documented gap: unshare and rlimits show the host file system (world-readable files are readable)
+    path = "/etc/os-release"
+    if not os.path.isfile(path):
+        pytest.skip(f"{path} missing")
+    code = f"def peek():\n    return open({path!r}).read()\n"
+    out = code_reward(completion=code, tests=[f"assert peek() == {open(path).read()!r}"], sandbox=mode, **FAST)
+    assert out.score == 1.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deep_and_malformed_records_are_failed_tests(mode):
+    deep_record = textwrap.dedent('''
+        import os
+        def f():
+            for fd in range(3, 64):
+                try:
+                    os.write(fd, b"[" * 200000 + b"]" * 200000)
+                except OSError:
+                    pass
+            os._exit(0)
+    ''')
+    deep_value = "def f():\n    v = []\n    for _ in range(5000):\n        v = [v]\n    return v\n"
+    huge_int = "def f():\n    return int('9' * 4000) * 10 ** 4000\n"
+    # valid JSON whose value cannot be built (a list as a dict key), then bytes that are not JSON at all
+    to_channel = "import os\ndef f():\n    for fd in range(3, 64):\n        try:\n            os.write(fd, %r)\n" \
+                 "        except OSError:\n            pass\n    os._exit(0)\n"
+    junk = to_channel % b'{"values": [["d", [[["l", []], ["n"]]]]]}'
+    garbage = to_channel % (bytes(range(256)) * 10)
+    zero = lambda out: (out.score == 0.0) or pytest.fail(str(out))  # noqa: E731
+    cases = [(name, code, ["assert f() == 1", "assert f() == [1]"], {}, BOUND, zero)
+             for name, code in [("deep_record", deep_record), ("deep_value", deep_value), ("huge_int", huge_int),
+                                ("junk", junk), ("garbage", garbage)]]
+    _sequential_cases(cases, mode)
+
+
+def test_deep_record_through_the_worker_is_a_zero_not_an_error():
+    from rewards import RewardWorker
+    code = ("import os\ndef f():\n    for fd in range(3, 64):\n        try:\n            os.write(fd, b'[' * 100000)\n"
+            "        except OSError:\n            pass\n    os._exit(0)\n")
+    with RewardWorker([("code", 1.0, FAST)], num_workers=1, timeout_s=30) as w:
+        out = w.score([{"completion": code, "tests": ["assert f() == 1"]}])[0]
+    assert out["score"] == 0.0 and not out["error"] and not out["timeout"], out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stopping_the_harness_does_not_defeat_deadlines(mode):
+    stop_all = textwrap.dedent('''
+        import os, signal, time
+        def f():
+            for p in [os.getppid(), 1] + [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+                if p != os.getpid():
+                    try:
+                        os.kill(p, signal.SIGSTOP)
+                    except OSError:
+                        pass
+            time.sleep(30)
+    ''')
+    hopper = textwrap.dedent('''
+        import os, time
+        def f():
+            if os.fork() == 0:
+                os.setsid()
+                while True:  # a new pid every iteration
+                    try:
+                        if os.fork():
+                            os._exit(0)
+                    except OSError:
+                        time.sleep(0.001)
+            time.sleep(30)
+    ''')
+    # three tests of 1 s each: at most 3 x (1 s + the parent's grace), not the whole budget
+    bound = 3 * (FAST["test_timeout_s"] + TEST_GRACE_S) + RUN_GRACE_S
+    zero = lambda out: (out.score == 0.0) or pytest.fail(str(out))  # noqa: E731
+    cases = [(name, code, ["assert f() == 1"] * 3, {"total_timeout_s": 20.0}, bound, zero)
+             for name, code in [("sigstop", stop_all), ("pid_hopper", hopper)]]
+    _sequential_cases(cases, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_orphan_zombies_do_not_change_the_next_score(mode):
+    zombies = textwrap.dedent('''
+        import os, time
+        def f():
+            for _ in range(40):
+                try:
+                    if os.fork() == 0:
+                        try:
+                            if os.fork() == 0:
+                                os._exit(0)  # orphaned at once, then a zombie unless its new parent reaps it
+                        finally:
+                            os._exit(0)
+                except OSError:
+                    time.sleep(0.01)
+            return 1
+    ''')
+    forks = "import os\ndef g():\n    pids = [os.fork() or os._exit(0) for _ in range(6)]\n    " \
+            "return [os.waitpid(p, 0)[1] for p in pids]\n"
+    for _ in range(2):  # the same process takes the same uid again
+        sample = new_sample()
+        assert run(sample, zombies, ["assert f() == 1"], mode, BOUND, max_procs=10, **FAST).score == 1.0
+        sample = new_sample()
+        assert run(sample, forks, ["assert g() == [0] * 6"], mode, BOUND, max_procs=10, **FAST).score == 1.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_temporary_files_are_private_and_removed(mode):
+    writer = textwrap.dedent('''
+        import os
+        def put(name):
+            for d in ("/tmp", "/dev/shm", "/var/tmp"):
+                with open(os.path.join(d, name), "w") as f:
+                    f.write("secret")
+            return 1
+        def seen(name):
+            return [d for d in ("/tmp", "/dev/shm", "/var/tmp") if os.path.exists(os.path.join(d, name))]
+        def fill():
+            total = 0
+            for i in range(32):
+                try:
+                    with open("/dev/shm/fill%d" % i, "wb") as f:
+                        for _ in range(16):
+                            f.write(b"x" * 2**20)
+                            total += 2**20
+                except OSError:
+                    break
+            return total
+    ''')
+    first, second = new_sample(), new_sample()
+    assert run(first, writer, [f"assert put({first.marker!r}) == 1"], mode, BOUND, **FAST).score == 1.0
+    # the next sample (same uid) does not see the first one's files
+    assert run(second, writer, [f"assert seen({first.marker!r}) == []"], mode, BOUND, **FAST).score == 1.0
+    if resolve_mode(mode).private_tmp:  # tmpfs capped at tmp_mb: 32 x 16 MiB to /dev/shm cannot all land
+        out = run(second, writer, ["assert fill() < 5 * 2**20"], mode, BOUND, tmp_mb=4, **FAST)
+        assert out.score == 1.0, out
+    assert_nothing_left(first)

@@ -1,5 +1,5 @@
 """The `reasoning_gym` reward through the real package (the `envs` extra): the task's own `score_answer` on
-the extracted answer, robust to junk (issue 39)."""
+the extracted answer, robust to junk."""
 import math
 
 import pytest

@@ -1,5 +1,5 @@
 """verifiers through the real package (the `envs` extra): `vf:` data sources are the environment's own dataset,
-and the `verifiers` reward is the environment's rubric, checked against independent references (issue 39)."""
+and the `verifiers` reward is the environment's rubric, checked against independent references."""
 import asyncio
 import json
 from pathlib import Path

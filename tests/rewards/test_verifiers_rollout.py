@@ -1,6 +1,6 @@
 """A verifiers environment's own rollout loop against `ebpo serve`, through the real `openai` and `verifiers`
 packages: the completions are what our decoder writes for the same prompts, and the reward is the
-environment's rubric (checked against a plain boxed-answer comparison) (issue 39)."""
+environment's rubric (checked against a plain boxed-answer comparison)."""
 import asyncio
 import re
 import socket

@@ -1,7 +1,7 @@
-"""`main` of rewards/_judge.py run in this process, without forking (issue 40, mutation run).
+"""`main` of rewards/_judge.py, and `_recv_exact` that reads its messages, run in this process.
 
-test_judge_inprocess_40.py's test of `main` forks the judge's child for real, which a mutation tool's worker
-cannot survive, so it is skipped there. These drive the same `main` over a socket pair with `os.fork` replaced:
+The first test of `main` forks the judge's child for real, which a mutation tool's worker cannot survive, so
+it is skipped there. The others drive the same `main` over a socket pair with `os.fork` replaced:
 returning a pid, main takes the parent's side (closes the sample's descriptors and waits for the next one);
 returning 0, it takes the child's side in this process, with `os._exit` turned into an exception carrying the
 exit code and `resource.setrlimit` recorded instead of applied to the test process.
@@ -28,8 +28,85 @@ import pytest
 
 from rewards import _judge as J
 from rewards._plain import plain_decode, plain_encode
+from tests.rewards.judge.channel import Harness, _call_spec
 
 PR_GET_DUMPABLE, PR_SET_DUMPABLE = 3, 4
+
+def test_recv_exact_reads_exactly_n_bytes_across_pieces_or_raises_at_eof():
+    a, b = socket.socketpair()
+    try:
+        a.sendall(b"0123")
+        threading.Timer(0.05, lambda: a.sendall(b"456789XY")).start()
+        assert J._recv_exact(b, 10) == b"0123456789"
+        assert J._recv_exact(b, 0) == b"" and J._recv_exact(b, 2) == b"XY"
+        a.sendall(b"abc")
+        a.close()
+        with pytest.raises(EOFError):
+            J._recv_exact(b, 4)
+    finally:
+        b.close()
+
+
+@pytest.mark.skipif("MUTANT_UNDER_TEST" in __import__("os").environ,
+                    reason="forks inside a mutmut worker, whose process bookkeeping then fails (KeyError on the pid)")
+def test_main_forks_one_judge_per_sample_and_returns_when_the_parent_closes(monkeypatch):
+    """main() as rewards/judge.py drives it: a length-prefixed job with two descriptors per sample (a message
+    with another number of descriptors is skipped, its descriptors closed); each sample is judged in a child
+    whose verdicts come back on the sample's socket; EOF on the control socket ends main. Run here so that a
+    mutation tool sees it; the process state it changes (SIGCHLD, dumpable, the frozen heap) is restored."""
+    import ctypes
+    import gc
+    import sys
+    ctl_ours, ctl_judge = socket.socketpair()
+    monkeypatch.setattr(sys, "argv", ["judge", str(ctl_judge.fileno())])
+    old_chld = signal.getsignal(signal.SIGCHLD)
+    results, harnesses = [], []
+
+    def parent():
+        try:
+            lone, _ = socket.socketpair()
+            socket.send_fds(ctl_ours, [b"%010d" % 2], [lone.fileno()])  # one descriptor: skipped
+            ctl_ours.sendall(b"{}")
+            lone.close()
+            for k in range(2):
+                chan_j, chan_h = socket.socketpair()
+                out_j, out_r = socket.socketpair()
+                h = Harness(chan_h, names={"f": lambda x: x + 1})
+                h.start()
+                harnesses.append(h)
+                job = {"tests": [_call_spec(["f"], src=f"assert f({k}) == {k + 1}"),
+                                 _call_spec(["f"], src=f"assert f({k}) == {k}")],
+                       "max_output_bytes": 4096, "total_timeout_s": 5.0, "test_timeout_s": 2.0}
+                body = json.dumps(job).encode()
+                socket.send_fds(ctl_ours, [b"%010d" % len(body)], [chan_j.fileno(), out_j.fileno()])
+                ctl_ours.sendall(body)
+                chan_j.close()
+                out_j.close()
+                data = b""
+                out_r.settimeout(20)
+                while chunk := out_r.recv(1 << 16):
+                    data += chunk
+                results.append([json.loads(ln) for ln in data.splitlines()])
+                out_r.close()
+        finally:
+            ctl_ours.close()  # EOF: main returns
+
+    t = threading.Thread(target=parent, daemon=True)
+    t.start()
+    try:
+        J.main()
+    finally:
+        signal.signal(signal.SIGCHLD, old_chld)
+        gc.unfreeze()
+        ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # dumpable again
+    t.join(30)
+    assert len(results) == 2
+    for recs in results:
+        pid = recs[0]["pid"]
+        assert pid != __import__("os").getpid()  # judged in a child
+        assert [(r["ok"], r["why"]) for r in recs[1:-1]] == [(True, "ok"), (False, "assert_failed")]
+        assert recs[-1] == {"done": 1}
+    assert results[0][0]["pid"] != results[1][0]["pid"]  # a fresh child per sample
 
 
 class _Exit(BaseException):

@@ -1,4 +1,5 @@
-"""Code reward: verdicts, both test styles, and adversarial completions in every sandbox mode here."""
+"""Code reward (rewards/code_reward.py): verdicts, both test styles, adversarial completions in every sandbox mode
+here, and the timeout budget check that names both keys."""
 import concurrent.futures as cf
 import dataclasses
 import os
@@ -8,7 +9,9 @@ import uuid
 
 import pytest
 
-from rewards.code_reward import code_reward, extract_code
+import rewards.sandbox as sandbox
+from rewards import RewardWorker, check_timeout_budget
+from rewards.code_reward import code_reward, extract_code, total_budget_s
 from rewards.sandbox import mode_works, resolve_mode
 
 MODES = [m for m in ("bwrap", "unshare", "rlimits") if m == "rlimits" or mode_works(m)]
@@ -184,3 +187,17 @@ def test_adversarial_completions(mode, tmp_path, monkeypatch):
         from tests.rewards.hostile import leftover_processes
         leftovers = [p for p in leftover_processes(set()) if p[2] not in "ZX"]
         assert leftovers == [], "sandbox processes survived"
+
+
+def test_timeout_budget_check_names_both_keys():
+    assert total_budget_s({}) == 20 + sandbox.RUN_GRACE_S + sandbox.CLEANUP_S
+    assert total_budget_s({"total_timeout_s": 5, "sandbox": "bwrap"}) == 5 + sandbox.RUN_GRACE_S + sandbox.CLEANUP_S
+    with pytest.raises(ValueError, match=r"reward\.timeout_s \(10 s\).*reward\.fns\[0\]\.kwargs\.total_timeout_s \(20 s\)"):
+        check_timeout_budget([("code", 1.0, {})], 10)
+    specs = [("math", 1.0, {}), {"ref": "code", "kwargs": {"total_timeout_s": 30}}]
+    with pytest.raises(ValueError, match=r"reward\.fns\[1\]\.kwargs\.total_timeout_s \(30 s\)"):
+        check_timeout_budget(specs, 30)
+    check_timeout_budget(specs, 40)  # long enough
+    check_timeout_budget([("math", 1.0, {})], 1)  # no code reward: nothing to check
+    with pytest.warns(UserWarning, match="RewardWorker timeout_s"):
+        RewardWorker([("code", 1.0, {"total_timeout_s": 4})], num_workers=1, timeout_s=5).close()
