@@ -61,7 +61,7 @@ EXEMPT = {
     # Triton kernels: a GPU, or Triton's interpreter
     "kernels/decode_triton.py": "tests/kernels/test_kernels_gpu.py (GPU) and test_kernels_triton_interpret.py",
     "kernels/fp8_triton.py": "tests/kernels/test_kernels_gpu.py (GPU) and test_kernels_triton_interpret.py",
-    # the serving, rollout and reward folders are being reorganised by their owners now
+    # the serving and rollout folders are being reorganised by their owners now
     "ebpo/serve/agents.py": REORGANISING,
     "ebpo/serve/cli.py": REORGANISING,
     "ebpo/serve/render.py": REORGANISING,
@@ -86,28 +86,10 @@ EXEMPT = {
     "rollout/trajectory.py": REORGANISING,
     "rollout/weight_sync.py": REORGANISING + " (its tests are tests/rl/test_weight_sync.py)",
     "rollout/worker.py": REORGANISING,
-    "rewards/api.py": REORGANISING,
-    "rewards/code_reward.py": REORGANISING,
-    "rewards/code_tests.py": REORGANISING,
-    "rewards/envs/api.py": REORGANISING,
-    "rewards/envs/calculator.py": REORGANISING,
-    "rewards/envs/loader.py": REORGANISING,
-    "rewards/envs/tools.py": REORGANISING,
-    "rewards/format_reward.py": REORGANISING,
-    "rewards/loader.py": REORGANISING,
-    "rewards/math_reward.py": REORGANISING,
-    "rewards/pool.py": REORGANISING,
-    "rewards/program_tests.py": REORGANISING,
-    "rewards/sandbox_cleaner.py": REORGANISING,
-    "rewards/sandbox_fs.py": REORGANISING,
-    "rewards/sandbox_leftovers.py": REORGANISING,
-    "rewards/sandbox_rmtree.py": REORGANISING,
-    "rewards/sandbox_uids.py": REORGANISING,
-    "rewards/trajectory.py": REORGANISING,
 }
 
 # test folders whose file names, test names and docstrings may still carry work-item numbers, with why
-NAMES_EXEMPT = {"tests/rollout": REORGANISING, "tests/serve": REORGANISING, "tests/rewards": REORGANISING}
+NAMES_EXEMPT = {"tests/rollout": REORGANISING, "tests/serve": REORGANISING}
 
 WORK_ITEM_FILE = re.compile(r"_(mut|mt|dev)?\d+\.py$")  # test_engine_mut40.py, test_judge_40.py
 WORK_ITEM_TEST = re.compile(r"(^|_)issue_?\d+|_(mut|mt|dev)\d+(_|$)|_\d{2,}$")  # test_x_40, test_issue_35_y
