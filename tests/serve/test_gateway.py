@@ -423,3 +423,478 @@ def test_episodes_waiting_on_their_agents_hold_no_thread(policy, rows):
     later = [names for names in seen[len(rows):]]  # requests after a first answered turn: episodes waiting
     assert later and all(not any(n.startswith("ebpo-env-step") for n in names) for names in later)
     # the threads there are the driver's, the render pool's and the event loop's executor, none per episode
+
+
+# ---- the episode rules on the stub model of tests/support (milliseconds a forward) -------------------------------
+# These check the documented rules (module docstring of ebpo/serve/gateway.py, docs/serving.md) with a model whose
+# forwards cost nothing: the rendering is the tokenizer's below, the expected ids come from ebpo.serve.render.
+
+class _ChatStub:
+    """The stub tokenizer with a letters-only chat template: 't' per tool, each message as the initial of its role
+    and its content, 'a' for the generation prompt (letters a..l are ids 0..11; anything else id 0)."""
+
+    eos_token_id = 2
+
+    def __init__(self):
+        from tests.support.stub_engine_model import StubTokenizer
+
+        self.inner = StubTokenizer(tool=7)
+
+    def __call__(self, text, add_special_tokens=True):
+        return self.inner(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=True):
+        assert tokenize is False
+        head = "t" * len(tools) if tools else ""
+        return head + "".join(m["role"][0] + m["content"] for m in messages) + ("a" if add_generation_prompt else "")
+
+
+FAST_MT = dict(max_turns=3, max_turn_tokens=8, max_total_tokens=96, step_timeout_s=20.0,
+               observation_template="d{observation}e")
+CALC = {"type": "function", "function": {"name": "calc", "parameters": {
+    "type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]}}}
+
+
+@pytest.fixture(scope="module")
+def stub():
+    from tests.support.stub_engine_model import StubModel
+
+    return StubModel(K=4, seed=1, eos_rate=0.3), _ChatStub()
+
+
+def _fast(stub, temperature=0.0, name="policy", **mt):
+    from ebpo.serve.gateway import AgentGateway
+    from rollout import DecodeConfig
+    from rollout.multiturn import MultiTurnConfig
+
+    model, tok = stub
+    return AgentGateway(model, tok, DecodeConfig.preset("quality", temperature=temperature, max_new_tokens=8),
+                        MultiTurnConfig(**{**FAST_MT, **mt}), max_batch=4, name=name)
+
+
+def _run(gw, agent, n=1, seeds=None, limit_s=60.0):
+    rows = [{"prompt": "gh" * (i + 1), "i": i} for i in range(n)]
+    return _run_bounded(gw, agent, rows, seeds, limit_s)[0]
+
+
+def _render_prompt(messages, tools=None):
+    from ebpo.serve.render import prompt_ids
+
+    return prompt_ids(_ChatStub(), messages, tools, 4, 2, FAST_MT["observation_template"])
+
+
+def _render_ext(messages):
+    from ebpo.serve.render import extension_ids
+
+    return extension_ids(_ChatStub(), messages, FAST_MT["observation_template"])
+
+
+def test_an_extending_request_continues_the_sequence_token_for_token(stub):
+    """Two requests, the second the first plus the returned reply plus a tool result: one segment whose ids are
+    the rendered prompt, the first answer's ids, the rendered tool message, the second answer's ids."""
+    seen = {}
+
+    async def agent(client, row):
+        msgs = [{"role": "user", "content": row["prompt"]}]
+        r1 = await client.chat.completions.create(model="gpt-4o", messages=msgs, tools=[CALC], temperature=1.7,
+                                                  max_tokens=1)
+        msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "content": "fk"}]
+        r2 = await client.chat.completions.create(model="policy", messages=msgs, tools=[CALC])
+        seen["r"] = (r1, r2)
+        return {"reward": 0.75, "note": "x"}
+
+    gw = _fast(stub, name="the-policy")
+    try:
+        s = _run(gw, agent)[0]
+    finally:
+        gw.close()
+    r1, r2 = seen["r"]
+    t = s["trajectory"]
+    a1, a2 = r1.choices[0].model_extra["token_ids"], r2.choices[0].model_extra["token_ids"]
+    prompt = _render_prompt([{"role": "user", "content": "gh"}], [CALC])
+    obs = _render_ext([{"role": "tool", "content": "fk"}])
+    assert t["prompt_ids"] == prompt and t["ids"] == prompt + a1 + obs + a2
+    assert t["generated"] == [False] * len(prompt) + [True] * len(a1) + [False] * len(obs) + [True] * len(a2)
+    # each turn ends on a block boundary, within the rollout's turn budget (8 tokens, rounded up to whole blocks)
+    assert (len(prompt) + len(a1)) % 4 == 0 and (len(prompt) + len(a1) + len(obs) + len(a2)) % 4 == 0
+    assert 0 < len(a1) <= 8 and 0 < len(a2) <= 11
+    assert s["token_ids"] == t["ids"][len(prompt):]
+    assert [x["text"] for x in t["turns"]] == [r1.choices[0].message.content or "", s["text"]]
+    assert t["stop"] == "done" and not t["failed"] and t["segments"] == []
+    assert t["env_reward"] == 0.75 and t["agent"] == {"reward": 0.75, "note": "x"}
+    assert s["num_forwards"] == t["num_forwards"] > 0 and s["weights_version"] == 0
+    # OpenAI fields: the served name, the usage of the sequence so far, one choice
+    for k, (r, a) in enumerate(((r1, a1), (r2, a2)), start=1):
+        assert r.model == "the-policy" and r.object == "chat.completion" and r.id.endswith(f"-{k}")
+        assert r.usage.completion_tokens == len(a) and r.choices[0].index == 0
+        assert r.usage.total_tokens == r.usage.prompt_tokens + len(a)
+        turn = t["turns"][k - 1]
+        want = {"eos": "stop", "tool_call": "stop", "budget": "length"}[turn["finished_by"]]
+        assert r.choices[0].finish_reason == want
+        assert r.usage.model_extra["forwards"] == turn["forwards"] > 0
+    # prompt_tokens: the context each answer was decoded after (OpenAI's prompt: everything before the answer)
+    assert r1.usage.prompt_tokens == len(prompt) and r2.usage.prompt_tokens == len(prompt) + len(a1) + len(obs)
+    assert r1.id != r2.id
+
+
+def test_tool_choice_none_renders_no_tools(stub):
+    async def agent(client, row):
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}], tools=[CALC],
+                                             tool_choice="none")
+        return 1.0
+
+    gw = _fast(stub)
+    try:
+        t = _run(gw, agent)[0]["trajectory"]
+    finally:
+        gw.close()
+    assert t["prompt_ids"] == _render_prompt([{"role": "user", "content": "g"}])
+    assert t["turns"][0]["tool_calls"] == []
+
+
+def test_a_request_that_is_not_an_extension_starts_a_new_segment(stub):
+    """Rewritten history (a changed earlier message, a changed reply, the same messages again, fewer): the current
+    segment is ended and kept as `rewritten`, a new sequence starts from the rendered messages."""
+    async def agent(client, row):
+        msgs = [{"role": "user", "content": "gh"}]
+        r = await client.chat.completions.create(model="p", messages=msgs)
+        reply = r.choices[0].message.model_dump(exclude_none=True)
+        await client.chat.completions.create(model="p", messages=msgs)  # the same messages again
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "gg"}, reply,
+                                                                  {"role": "user", "content": "h"}])
+        r = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "jj"}])
+        changed = {**r.choices[0].message.model_dump(exclude_none=True), "content": "zz"}
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "jj"}, changed,
+                                                                  {"role": "user", "content": "h"}])
+        return 1.0
+
+    gw = _fast(stub, max_turns=5)
+    try:
+        t = _run(gw, agent)[0]["trajectory"]
+    finally:
+        gw.close()
+    assert [seg["stop"] for seg in t["segments"]] == ["rewritten"] * 4
+    assert [seg["prompt_ids"] for seg in t["segments"]] == [
+        _render_prompt([{"role": "user", "content": c}]) for c in ("gh", "gh")] + [
+        t["segments"][2]["prompt_ids"], _render_prompt([{"role": "user", "content": "jj"}])]
+    assert len(t["turns"]) == 1 and t["stop"] == "done" and t["env_reward"] == 1.0
+    assert t["prompt_ids"][:len(_render_prompt([{"role": "user", "content": "jj"}]))] == \
+        _render_prompt([{"role": "user", "content": "jj"}])
+
+
+def test_the_turn_limit_answers_episode_over_and_is_no_failure(stub):
+    codes = []
+
+    async def talker(client, row):
+        msgs = [{"role": "user", "content": "g"}]
+        try:
+            while True:
+                r = await client.chat.completions.create(model="p", messages=msgs)
+                msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "h"}]
+        except openai.BadRequestError as e:
+            codes.append((e.status_code, e.body["code"], e.body["param"], e.body["message"]))
+            raise
+
+    gw = _fast(stub, max_turns=2)
+    try:
+        t = _run(gw, talker)[0]["trajectory"]
+    finally:
+        gw.close()
+    assert codes == [(400, "episode_over", "messages", "the episode is over (max_turns); no more turns")]
+    assert t["stop"] == "max_turns" and not t["failed"] and len(t["turns"]) == 2 and t["env_reward"] == 0.0
+
+
+@pytest.mark.parametrize("what", ["raises", "silent", "bool", "no_reward", "after_over"])
+def test_how_an_agent_ends_decides_failure_and_reward(stub, what):
+    async def agent(client, row):
+        if what == "silent":
+            return 1.0
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}])
+        if what == "raises":
+            raise KeyError("harness bug")
+        return True if what == "bool" else {"reward": "1", "k": 2}
+
+    gw = _fast(stub)
+    try:
+        t = _run(gw, agent)[0]["trajectory"]
+    finally:
+        gw.close()
+    if what == "raises":
+        assert t["failed"] and t["stop"] == "agent_error" and t["error"] == "KeyError: 'harness bug'"
+        assert t["agent"] == {"error": "KeyError: 'harness bug'"} and len(t["turns"]) == 1
+    elif what == "silent":
+        assert t["failed"] and t["stop"] == "agent_error" and t["error"] == "the agent made no request"
+        assert t["turns"] == [] and t["ids"] == [] and t["agent"] == {"error": "the agent made no request"}
+    else:
+        assert not t["failed"] and t["stop"] == "done" and t["error"] is None
+        assert t["agent"] == ({"reward": True} if what == "bool" else {"reward": "1", "k": 2})
+    assert t["env_reward"] == 0.0  # failed, or a reward that is not a number (a bool is not one)
+
+
+def test_requests_the_gateway_refuses(stub):
+    out = {}
+
+    async def agent(client, row):
+        try:
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}], n=2)
+        except openai.BadRequestError as e:
+            out["n"] = (e.body["code"], e.body["param"])
+        base = str(client.base_url).replace(f"/episodes/{row['eid']}/", "/episodes/nope/")
+        other = openai.AsyncOpenAI(base_url=base, api_key="x", http_client=client._client, max_retries=0)
+        try:
+            await other.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}])
+        except openai.NotFoundError as e:
+            out["episode"] = (e.status_code, e.body["code"])
+        try:
+            await client.chat.completions.create(model="p", messages=[{"role": "assistant", "content": "g"}])
+        except openai.BadRequestError as e:
+            out["render"] = (e.body["param"], "nothing to answer" in e.body["message"])
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}])
+        return 1.0
+
+    gw = _fast(stub)
+    try:
+        async def named(client, row):
+            return await agent(client, {**row, "eid": str(client.base_url).split("/episodes/")[1].split("/")[0]})
+        t = _run(gw, named)[0]["trajectory"]
+    finally:
+        gw.close()
+    assert out == {"n": (None, "n"), "episode": (404, "unknown_episode"), "render": ("messages", True)}
+    assert not t["failed"] and len(t["turns"]) == 1 and t["segments"] == []
+
+
+def test_seeds_seed_the_sampling_and_must_match_the_rows(stub):
+    async def agent(client, row):
+        r = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": row["prompt"]}])
+        return len(r.choices[0].model_extra["token_ids"])
+
+    gw = _fast(stub, temperature=1.0)
+    try:
+        with pytest.raises(ValueError, match="one seed per row"):
+            gw.run(agent, [{"prompt": "g"}], [1, 2])
+        a = _run(gw, agent, n=3, seeds=[5, 6, 7])
+        b = _run(gw, agent, n=3, seeds=[5, 6, 7])
+        c = [_run(gw, agent, n=3, seeds=[50 + k, 60 + k, 70 + k]) for k in range(3)]
+    finally:
+        gw.close()
+    ids = [[s["trajectory"]["ids"] for s in run] for run in (a, b, *c)]
+    assert ids[0] == ids[1]
+    assert any(other != ids[0] for other in ids[2:])
+    assert gw.episodes == {}  # every episode left the table
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_the_agents_clock(stub, late):
+    """T = 0.4 s. An agent that never asks is cancelled at 2 T: agent_timeout, failed. One whose next request comes
+    after T: env_timeout (the limit's), not failed; its late request is refused with episode_over."""
+    import asyncio
+
+    codes = []
+
+    async def never(client, row):
+        await asyncio.sleep(30)
+
+    async def slow(client, row):
+        msgs = [{"role": "user", "content": "g"}]
+        r = await client.chat.completions.create(model="p", messages=msgs)
+        await asyncio.sleep(0.7)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "h"}]
+        try:
+            await client.chat.completions.create(model="p", messages=msgs)
+        except openai.BadRequestError as e:
+            codes.append((e.body["code"], e.body["message"]))
+        return 0.5
+
+    gw = _fast(stub, step_timeout_s=0.4)
+    try:
+        samples, took = _run_bounded(gw, slow if late else never, [{"prompt": "g"}], limit_s=30)
+    finally:
+        gw.close()
+    t = samples[0]["trajectory"]
+    if late:
+        assert t["stop"] == "env_timeout" and not t["failed"] and t["env_reward"] == 0.5 and len(t["turns"]) == 1
+        assert codes == [("episode_over", "the episode is over (no request came within step_timeout_s (0.4 s)); "
+                                          "no more turns")]
+    else:
+        assert t["stop"] == "agent_timeout" and t["failed"] and t["turns"] == []
+        assert t["error"] == "the agent function did not return within 2 x step_timeout_s (0.8 s) of its last answer"
+        assert 0.8 <= took < 5.0, took
+
+
+def test_a_hung_agent_after_its_answer_keeps_its_turn_but_fails(stub):
+    import asyncio
+
+    async def hangs(client, row):
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}])
+        await asyncio.sleep(30)
+
+    gw = _fast(stub, step_timeout_s=0.4)
+    try:
+        samples, took = _run_bounded(gw, hangs, [{"prompt": "g"}], limit_s=30)
+    finally:
+        gw.close()
+    t = samples[0]["trajectory"]
+    assert t["stop"] == "agent_timeout" and t["failed"] and len(t["turns"]) == 1 and t["env_reward"] == 0.0
+    assert t["agent"] == {"error": t["error"]} and "2 x step_timeout_s (0.8 s)" in t["error"]
+    assert 0.8 <= took < 5.0, took
+
+
+# ---- the episode's own rules, without an engine --------------------------------------------------------------
+
+def _msgs(*pairs):
+    return [{"role": r, "content": c} for r, c in pairs]
+
+
+def test_extends_is_the_history_then_the_returned_reply_then_new_messages():
+    from ebpo.serve.gateway import _extends
+
+    call = {"id": "x", "type": "function", "function": {"name": "calc", "arguments": "{\"expr\": \"1\"}"}}
+    reply = {"role": "assistant", "content": None, "tool_calls": [call]}
+    history = _msgs(("system", "s"), ("user", "q")) + [reply]
+    sent_reply = {"role": "assistant", "content": "", "tool_calls": [{**call, "id": "other"}]}
+    assert _extends(history, _msgs(("system", "s"), ("user", "q")) + [sent_reply] + _msgs(("tool", "2")))
+    assert _extends(history, history + _msgs(("tool", "2"), ("user", "u")))
+    assert not _extends(history, history)  # nothing new
+    assert not _extends(history, history[:2])
+    assert not _extends(history, _msgs(("system", "S"), ("user", "q")) + [reply] + _msgs(("tool", "2")))
+    assert not _extends(history, _msgs(("user", "s"), ("user", "q")) + [reply] + _msgs(("tool", "2")))
+    assert not _extends(history, _msgs(("system", "s"), ("user", "q"), ("assistant", "hi"), ("tool", "2")))
+    assert not _extends(history, _msgs(("system", "s"), ("user", "q"), ("user", "x"), ("tool", "2")))
+    # an earlier assistant turn must match in its calls too, not only in role and content
+    h2 = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+          {"role": "tool", "content": "2"}, {"role": "assistant", "content": "ok", "tool_calls": []}]
+    other_call = {**call, "function": {"name": "calc", "arguments": "{\"expr\": \"2\"}"}}
+    same = [h2[0], {"role": "assistant", "content": "", "tool_calls": [call]}, h2[2], h2[3], *_msgs(("user", "u"))]
+    assert _extends(h2, same)
+    changed = [h2[0], {"role": "assistant", "content": "", "tool_calls": [other_call]}, h2[2], h2[3],
+               *_msgs(("user", "u"))]
+    assert not _extends(h2, changed)
+
+
+class _Turn:
+    start, end, finished_by = 4, 8, "eos"
+
+
+class _FakeSeq:
+    turns = [_Turn()]
+
+
+class _FakeDriver:
+    class engine:  # noqa: N801 - stands in for the engine's attribute
+        class runner:  # noqa: N801
+            @staticmethod
+            def read(seq, lo, hi):
+                return list(range(lo, hi))
+
+    class tokenizer:  # noqa: N801
+        @staticmethod
+        def decode(ids):
+            return "|".join(map(str, ids))
+
+
+def _episode():
+    import concurrent.futures
+
+    from ebpo.serve.gateway import Episode
+
+    ep = Episode("e", {"p": 1}, None, 5.0)
+    reply = concurrent.futures.Future()
+    ep.start_segment(reply, [CALC])
+    ep.bind(_FakeSeq(), _FakeDriver())
+    return ep, reply
+
+
+def test_a_turn_answers_its_request_and_records_its_tool_calls():
+    import concurrent.futures
+
+    ep, reply = _episode()
+    text = "<tool_call>{\"name\": \"calc\", \"arguments\": {\"expr\": \"1\"}}</tool_call>" \
+           "<tool_call>{\"name\": \"calc\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"rm\"}</tool_call>"
+    step = ep.step_async(text)
+    assert reply.result(0) == (text, [4, 5, 6, 7], "eos")
+    assert not step.done() and ep.waiting
+    calls = ep.info["tool_calls"]
+    assert [(c["name"], c["ok"], c["error"]) for c in calls] == [
+        ("calc", True, None), ("calc", False, "missing argument 'expr'"), ("rm", False, "unknown tool 'rm'")]
+    nxt = concurrent.futures.Future()
+    assert ep.offer([1, 2], nxt, None) is True
+    (obs, reward, done, info), secs = step.result(0)
+    assert (obs, reward, done, secs) == ("1|2", 0.0, False, 0.0)
+    assert info == {"tool_calls": calls, "observation_ids": [1, 2]}
+    assert ep.reply is nxt and ep.tools is None and not ep.waiting and ep.pending is None
+    assert ep.offer([3], concurrent.futures.Future(), None) is False  # no step waits now
+
+
+def test_ending_a_segment_closes_its_waiting_step_or_its_next_one():
+    import concurrent.futures
+
+    from ebpo.serve.gateway import END, REWRITE, TIMEOUT
+
+    ep, reply = _episode()
+    step = ep.step_async("plain")
+    assert ep.info == {"tool_calls": []}
+    ep.end(REWRITE)
+    ep.end(END)  # the first reason stays
+    (obs, reward, done, info), _ = step.result(0)
+    assert (obs, done, info) == (None, True, {"tool_calls": [], "ended_by": REWRITE})
+    assert ep.ended_by == REWRITE and not ep.waiting and ep.pending is None
+    assert ep.offer([1], concurrent.futures.Future(), None) is False
+
+    ep, reply = _episode()
+    ep.expire()  # no step waits yet: the next one ends the segment at once
+    assert ep.expired and ep.expired_at > 0 and ep.ending == TIMEOUT
+    step = ep.step_async("late")
+    assert step.result(0)[0][2] is True and step.result(0)[0][3]["ended_by"] == TIMEOUT
+    assert reply.result(0)[0] == "late" and not ep.waiting
+    assert ep.over_because() == "no request came within step_timeout_s (5 s)"
+
+    ep, _ = _episode()
+    ep.step_async("x")
+    ep.end(END)
+    ep.start_segment(concurrent.futures.Future(), None)  # a new segment forgets how the last one ended
+    assert (ep.waiting, ep.pending, ep.ending, ep.ended_by, ep.seq, ep.tools) == (False, None, None, None, None, None)
+
+
+def test_why_an_episode_is_over():
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    ep, _ = _episode()
+    assert ep.over_because() == "its sequence is ending"
+    ep.segment = concurrent.futures.Future()
+    assert ep.over_because() == "its sequence is ending"
+    ep.segment.set_result(SimpleNamespace(stop="max_total_tokens"))
+    assert ep.over_because() == "max_total_tokens"
+    ep.segment = concurrent.futures.Future()
+    ep.segment.set_result(SimpleNamespace(stop=""))
+    assert ep.over_because() == "done"
+    ep.segment = concurrent.futures.Future()
+    ep.segment.set_exception(RuntimeError("x"))
+    assert ep.over_because() == "its sequence is ending"
+
+
+def test_closing_a_batch_loop_cancels_what_an_abandoned_agent_left():
+    import asyncio
+
+    from ebpo.serve.gateway import _close_loop
+
+    loop = asyncio.new_event_loop()
+    seen = []
+
+    async def stubborn():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    task = loop.create_task(stubborn())
+    loop.run_until_complete(asyncio.sleep(0))
+    _close_loop(loop)
+    assert seen == ["cancelled"] and task.cancelled() and loop.is_closed()
+    empty = asyncio.new_event_loop()
+    _close_loop(empty)
+    assert empty.is_closed()
