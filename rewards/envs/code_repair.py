@@ -30,7 +30,12 @@ class CodeRepairEnv(ToolEnv):
 
     test_timeout_s / total_timeout_s: the judge's per-test and per-call limits (a candidate that hangs is a
     failed test after test_timeout_s); sandbox: the `rewards.sandbox` mode ("auto": the strongest available).
-    max_turns: model turns per episode (a trajectory that spends them all on calls scores 0).
+    max_turns: model turns per episode (a trajectory that spends them all on calls scores 0). Defaults: 3 turns,
+    1 s per test, 5 s per call.
+
+    A step with calls reports the verdicts its own calls counted in `info["verdicts"]`; the final step reports
+    the verdict it scored in `info["verdict"]` (True: the last call passed every test). A call still running
+    when its step ends (the tool's thread limit) or when the trajectory is reset never counts.
     """
 
     def __init__(self, max_turns: int = 3, test_timeout_s: float = 1.0, total_timeout_s: float = 5.0,

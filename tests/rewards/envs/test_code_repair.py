@@ -7,6 +7,7 @@ import importlib.util
 import json
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,155 @@ def test_generated_good_trajectories_score_one_in_the_env(tmp_path):
             if i + 1 < len(msgs) and msgs[i + 1]["role"] == "tool":
                 assert out.observation == msgs[i + 1]["content"]
         assert reward == (1.0 if r["style"] in ("good", "retry") else 0.0), r["style"]
+
+
+def _scripted_reward(monkeypatch, answers):
+    """`code_reward` replaced: each call gets the next of `answers`, (passed, total) or a skip reason (the sandbox
+    did not start; None: no reason given), or a callable returning one of those. Returns the calls' arguments."""
+    import rewards.code_reward as cr
+    from rewards.api import RewardResult
+
+    calls, it = [], iter(answers)
+
+    def scripted(**kw):
+        calls.append(kw)
+        a = next(it)
+        a = a() if callable(a) else a
+        if a is None or isinstance(a, str):
+            return RewardResult(None, {} if a is None else {"skip_reason": a})
+        return RewardResult(float(a[0] == a[1]), {"passed": a[0], "total": a[1]})
+
+    monkeypatch.setattr(cr, "code_reward", scripted)
+    return calls
+
+
+def _verdict(passed, total):
+    return {"passed": passed, "total": total, "all_passed": passed == total}
+
+
+def test_each_step_reports_its_own_calls_and_the_last_call_decides(monkeypatch):
+    _scripted_reward(monkeypatch, [(0, 2), (2, 2), (1, 2), (1, 2), (2, 2)])
+    env = CodeRepairEnv(max_turns=5)
+    env.reset(ROW)
+    first = env.step(_call(BUGGY))
+    assert first.info["verdicts"] == [_verdict(0, 2)] and not first.done
+    second = env.step(_call(FIXED) + _call(BUGGY))  # two calls in one turn: the later one is the most recent
+    assert second.observation == "passed 2/2\nfailed: passed 1/2"
+    assert second.info["verdicts"] == [_verdict(2, 2), _verdict(1, 2)]
+    final = env.step("done")
+    assert final.reward == 0.0 and final.info["verdict"] is False and final.done
+    assert env.verdicts == [_verdict(0, 2), _verdict(2, 2), _verdict(1, 2)]
+    env.reset(ROW)
+    assert env.step(_call(BUGGY) + _call(FIXED)).info["verdicts"] == [_verdict(1, 2), _verdict(2, 2)]
+    final = env.step("done")
+    assert final.reward == 1.0 and final.info["verdict"] is True
+
+
+def test_the_tool_runs_the_row_s_tests_with_the_environment_s_limits_and_sandbox(monkeypatch):
+    calls = _scripted_reward(monkeypatch, [(2, 2), (2, 2)])
+    env = CodeRepairEnv(test_timeout_s=0.5, total_timeout_s=2.0, sandbox="rlimits")
+    env.reset(ROW)
+    env.step(_call(FIXED))
+    assert calls[0] == {"completion": FIXED, "tests": ROW["tests"], "sandbox": "rlimits", "test_timeout_s": 0.5,
+                        "total_timeout_s": 2.0}
+    default = CodeRepairEnv()  # the documented defaults: 3 turns, 1 s per test, 5 s per call, the strongest sandbox
+    default.reset(ROW)
+    default.step(_call(FIXED))
+    assert default.max_turns == 3
+    assert {k: calls[1][k] for k in ("sandbox", "test_timeout_s", "total_timeout_s")} == \
+        {"sandbox": "auto", "test_timeout_s": 1.0, "total_timeout_s": 5.0}
+    # the tool's thread limit lies past the judge's own wall bound, so the judge's timeout is the verdict
+    for e in (env, default):
+        limit = e.tools["run_tests"].timeout_s
+        assert limit > wall_bound_s(Limits(test_timeout_s=e.test_timeout_s, total_timeout_s=e.total_timeout_s))
+
+
+def test_a_sandbox_that_does_not_start_answers_an_error_and_counts_no_verdict(monkeypatch):
+    _scripted_reward(monkeypatch, [(2, 2), "bwrap is not installed", None])
+    env = CodeRepairEnv(max_turns=4)
+    env.reset(ROW)
+    env.step(_call(FIXED))
+    out = env.step(_call(FIXED))
+    assert out.observation == "error: RuntimeError: sandbox unavailable: bwrap is not installed"
+    assert out.info["verdicts"] == [] and not out.info["tool_calls"][0]["ok"]
+    assert env.step(_call(FIXED)).observation == "error: RuntimeError: sandbox unavailable: skipped"
+    final = env.step("done")  # the last call did not run: the earlier pass no longer counts
+    assert final.reward == 0.0 and final.info["verdict"] is False
+    env.reset({"prompt": "x", "tests": []})
+    with pytest.raises(ValueError, match=r"^this task has no hidden tests$"):
+        env.run_tests(FIXED)
+
+
+def test_a_call_that_ran_no_test_is_no_pass(monkeypatch):
+    _scripted_reward(monkeypatch, [(0, 0), (1, 1)])
+    env = CodeRepairEnv()
+    env.reset(ROW)
+    assert env.step(_call(FIXED)).info["verdicts"] == [{"passed": 0, "total": 0, "all_passed": False}]
+    assert env.step("done").reward == 0.0
+    env.reset(ROW)
+    assert env.step(_call(FIXED)).info["verdicts"] == [_verdict(1, 1)]
+    assert env.step("done").reward == 1.0
+
+
+def test_a_fresh_environment_holds_no_pass():
+    out = CodeRepairEnv().step("done")
+    assert out.reward == 0.0 and out.info["verdict"] is False
+
+
+
+class SlowPass:
+    """A scripted answer that blocks until released, then passes 2/2; `release()` returns once run_tests has had
+    time to write that verdict, were it to count."""
+
+    def __init__(self):
+        self.go, self.finished = threading.Event(), threading.Event()
+
+    def __call__(self):
+        self.go.wait(10)
+        self.finished.set()
+        return 2, 2
+
+    def release(self):
+        self.go.set()
+        assert self.finished.wait(10)
+        time.sleep(0.3)
+
+
+def _env_with_a_short_tool_limit():
+    env = CodeRepairEnv(max_turns=4)
+    env.reset(ROW)
+    env.tools["run_tests"].timeout_s = 0.2  # the tool's thread limit (the judge's bound + 10 s otherwise)
+    return env
+
+
+def test_a_call_abandoned_at_its_step_s_end_never_counts_in_a_later_step(monkeypatch):
+    slow = SlowPass()
+
+    def fails_while_the_abandoned_call_passes():
+        slow.release()
+        return 0, 2
+
+    _scripted_reward(monkeypatch, [slow, fails_while_the_abandoned_call_passes])
+    env = _env_with_a_short_tool_limit()
+    try:
+        out = env.step(_call(FIXED))
+        assert out.info["tool_calls"][0]["timeout"] and out.info["verdicts"] == []
+        env.tools["run_tests"].timeout_s = 5.0  # this step's own call has time to finish
+        out = env.step(_call(BUGGY))
+        assert out.info["verdicts"] == [_verdict(0, 2)] and env.verdicts == [_verdict(0, 2)]
+        assert env.step("done").reward == 0.0
+    finally:
+        slow.go.set()
+
+
+def test_a_call_abandoned_before_a_reset_never_counts_in_the_next_trajectory(monkeypatch):
+    slow = SlowPass()
+    _scripted_reward(monkeypatch, [slow])
+    env = _env_with_a_short_tool_limit()
+    try:
+        assert env.step(_call(FIXED)).info["tool_calls"][0]["timeout"]
+        env.reset(ROW)
+        slow.release()
+        assert env.verdicts == [] and env.step("done").reward == 0.0
+    finally:
+        slow.go.set()
