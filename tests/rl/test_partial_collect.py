@@ -202,8 +202,8 @@ class StandInWorker:
     holds the rest. Every sample has 4 tokens; a group's tokens count as carried when it was given in an
     earlier call."""
 
-    def __init__(self, decide=None):
-        self.calls, self.held, self.age = [], {}, {}
+    def __init__(self, decide=None, tokens=4):
+        self.calls, self.held, self.age, self.tokens = [], {}, {}, tokens
         self.decide = decide or (lambda w, quota: {"finish": list(w.held)[:quota]})
 
     def submit(self, method, *args):
@@ -221,15 +221,16 @@ class StandInWorker:
         samples, carried, dropped = [], 0, 0
         for t in plan.get("finish", []):
             for j, _ in enumerate(self.held.pop(t)):
-                samples.append({"tag": t, "token_ids": [5, 6, 7, 8], "text": f"{t}/{j}", "num_forwards": 1,
-                                "tpf": 4.0, "num_edits": 0, "finished_by_eos": True})
-                carried += 4 if self.age[t] < ticket else 0
+                samples.append({"tag": t, "token_ids": [5] * self.tokens, "text": f"{t}/{j}", "num_forwards": 1,
+                                "tpf": float(self.tokens), "num_edits": 0, "finished_by_eos": True})
+                carried += self.tokens if self.age[t] < ticket else 0
         for t in plan.get("drop", []):
             dropped += len(self.held.pop(t))
         for t in plan.get("forget", []):
             del self.held[t]
         return {"samples": samples, "held": list(self.held), "dropped_tags": list(plan.get("drop", [])),
-                "stats": {"carried_tokens": carried, "returned_tokens": 4 * len(samples), "dropped": dropped}}
+                "stats": {"carried_tokens": carried, "returned_tokens": self.tokens * len(samples),
+                          "dropped": dropped}}
 
     def call(self, method, *args):
         self.calls.append((method, *args))
@@ -259,19 +260,23 @@ def _stand_in_run(workers, P=2, G=3, extra=None, max_lag=None, staleness=0, over
                                                   max_staleness=staleness, partial_overdue=overdue, seed=11),
                           env=SimpleNamespace(multi_turn=multi_turn), data=SimpleNamespace(prompt_field="prompt"))
     scored = []
+
+    def score(inputs):
+        scored.append(inputs)
+        return [("score", x["completion"]) for x in inputs]
+
     return SimpleNamespace(cfg=cfg, partial=pc.PartialLedger(), sampler=SimpleNamespace(next=next_rows), drawn=drawn,
                            prompts=SimpleNamespace(encode=lambda row: [int(row["answer"]), 1]),
                            weights=StandInWeights(version), scored=scored,
-                           cluster=SimpleNamespace(rollout_workers=workers,
-                                                   score=lambda inputs: scored.append(inputs) or [0.0] * len(inputs)))
+                           cluster=SimpleNamespace(rollout_workers=workers, score=score))
 
 
 @pytest.fixture
 def records(monkeypatch):
     """`build_record` replaced by what it was given (the record's own tests are tests/rl/test_step.py)."""
     def build(run, step, rows, prompt_ids, samples, results, times):
-        return SimpleNamespace(step=step, rows=rows, prompt_ids=prompt_ids, samples=samples, results=results,
-                               times=times, metrics={})
+        return SimpleNamespace(run=run, step=step, rows=rows, prompt_ids=prompt_ids, samples=samples,
+                               results=results, times=times, metrics={})
 
     monkeypatch.setattr(pc, "build_record", build)
 
@@ -375,10 +380,15 @@ def test_returned_groups_are_trained_with_their_rows_prompts_and_carried_share(r
     w.decide = lambda w, q: {}
     assert pc.collect_partial(run, 3).metrics["partial/carried_token_share"] == 0.0  # nothing returned
     assert set(rec.times) == {"timing_s/rollout", "timing_s/reward"} and rec.step == 2
+    one = StandInWorker(lambda w, q: {}, tokens=1)
+    run = _stand_in_run([one], P=1, G=1, extra=0)
+    pc.collect_partial(run, 1)
+    one.decide = lambda w, q: {"finish": list(w.held)}
+    assert pc.collect_partial(run, 2).metrics["partial/carried_token_share"] == 1.0  # 1 token, decoded in step 1
 
 
 def test_multi_turn_groups_take_their_rows_and_their_decoded_prompts(records):
-    traj = {"prompt_ids": [9, 9, 9], "ids": [9, 9, 9, 5, 6, 7, 8], "generated": [False] * 3 + [True] * 4,
+    traj = {"prompt_ids": [9, 9, 9], "ids": [9, 9, 9, 5, 5, 5, 5], "generated": [False] * 3 + [True] * 4,
             "segment": [0, 0, 0, 1, 1, 1, 1], "turns": []}
 
     class MultiTurn(StandInWorker):
@@ -393,6 +403,7 @@ def test_multi_turn_groups_take_their_rows_and_their_decoded_prompts(records):
     rec = pc.collect_partial(run, 1)
     assert w.calls[0][5] == [{"prompt": "q0", "answer": "0"}] * 2  # the row of every sequence, for its environment
     assert rec.prompt_ids == [[9, 9, 9]] * 2  # as decoded (the environment's first observation included)
+    assert [x["trajectory"] for x in run.scored[-1]] == [traj] * 2  # for trajectory rewards
     single = StandInWorker()
     pc.collect_partial(_stand_in_run([single], P=1, G=2, extra=0), 1)
     assert single.calls[0][5] is None
@@ -415,3 +426,66 @@ def test_the_ledger_and_the_workers_state_round_trip():
                                          ("restore_partial", None)]  # a worker beyond the saved ones starts empty
     pc.restore_partial(run, None)  # a checkpoint written without partial rollouts
     assert run.partial == pc.PartialLedger() and [w.calls[-1] for w in ws] == [("restore_partial", None)] * 3
+
+
+def test_a_full_ledger_draws_nothing_and_spare_workers_get_no_quota(records):
+    w = StandInWorker(lambda w, q: {})
+    run = _stand_in_run([w], P=2, extra=1)
+    pc.collect_partial(run, 1)
+    pc.collect_partial(run, 2)  # nothing finished: the 3 groups in flight are all there may be
+    assert run.drawn == [3, 0] and len(w.calls) == 2 and w.calls[1][0] == []
+    ws = [StandInWorker() for _ in range(3)]
+    pc.collect_partial(_stand_in_run(ws, P=2, extra=0), 1)  # more workers than groups a step trains on
+    assert [w.calls[0][3] for w in ws] == [1, 1, 0]
+
+
+def test_new_groups_get_the_seeds_the_synchronous_collect_gives_the_same_draw(records):
+    """Sample n of a step's new draws (group i, member j: n = i * group_size + j) decodes with
+    derive_seed(trainer.seed, step, n), as in `ebpo.rl.step.collect`: runs with other seeds or other steps
+    differ, and a partial step whose groups all finish samples what the synchronous step samples."""
+    from ebpo.rl.prompts import derive_seed
+
+    def seeds(seed, step, W=2):
+        ws = [StandInWorker() for _ in range(W)]
+        run = _stand_in_run(ws, P=2, G=3, extra=1)
+        run.cfg.trainer.seed = seed
+        for s in range(1, step + 1):
+            pc.collect_partial(run, s)
+        return {t: sd for w in ws for tags, sd in ((w.calls[-1][2], w.calls[-1][1]),) for t, sd in zip(tags, sd)}, ws
+
+    got, ws = seeds(11, 1)
+    by_tag = {}
+    for w in ws:
+        for tag, sd in zip(w.calls[0][2], w.calls[0][1]):
+            by_tag.setdefault(tag, []).append(sd)
+    n = 0
+    for i in range(3):  # the step's draws in order: tags 1:0, 1:1, 1:2
+        assert by_tag[f"1:{i}"] == [derive_seed(11, 1, n + j) for j in range(3)]
+        n += 3
+    assert set(seeds(12, 1)[0].values()).isdisjoint(got.values())
+    assert set(seeds(11, 2)[0].values()).isdisjoint(got.values())
+
+
+def test_every_worker_s_lost_dropped_and_carried_work_adds_up(records):
+    """Two workers in one step: each loses two groups, drops one, returns one carried group; sums over workers and
+    over groups, the ledger forgets exactly the groups that left."""
+    G = 2
+    ws = [StandInWorker(lambda w, q: {}, tokens=1), StandInWorker(lambda w, q: {}, tokens=1)]
+    run = _stand_in_run(ws, P=4, G=G, extra=4)  # 8 groups, 4 per worker, none finishes in step 1
+    pc.collect_partial(run, 1)
+    for w in ws:
+        w.decide = lambda w, q: {"drop": list(w.held)[:1], "finish": list(w.held)[1:2], "forget": list(w.held)[2:4]}
+    rec = pc.collect_partial(run, 2)
+    m = rec.metrics
+    assert (m["partial/dropped"], m["partial/lost"]) == (2 * G, 4 * G)
+    assert m["partial/carried_token_share"] == 1.0  # both returned groups were decoded in step 1, 1 token each
+    left = {t for w in ws for t in w.held}
+    assert set(run.partial.pending) == left and m["partial/in_flight_groups"] == len(left) == 0
+    assert rec.results == [("score", s.text) for s in rec.samples] and len(rec.results) == 2 * G and rec.run is run
+
+
+def test_rewards_see_each_sample_s_decode_trace(records):
+    w = StandInWorker()
+    run = _stand_in_run([w], P=1, G=2, extra=0)
+    pc.collect_partial(run, 1)
+    assert [x["metadata"]["decode"] for x in run.scored[-1]] == [{"forwards": 1, "tokens": 4}] * 2
