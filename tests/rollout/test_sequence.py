@@ -64,3 +64,13 @@ def test_pickled_sequence_keeps_its_pending_step_outcome(outcome):
 def test_pickled_sequence_without_a_step_has_no_future():
     s = pickle.loads(pickle.dumps(Sequence(id=1, prompt=[3], status=DECODING)))
     assert s.future is None and s.status == DECODING and "_step_outcome" not in s.__dict__
+
+
+def test_pickled_sequence_leaves_its_turn_rule_behind():
+    """The turn rule is the client's (it holds a tokenizer): the pickled sequence carries None, the adopting
+    driver sets its own; every other field survives."""
+    s = Sequence(id=4, prompt=[1, 2], status=WAITING, turn_rule=max, tag="g0")  # a picklable stand-in rule
+    back = pickle.loads(pickle.dumps(s))
+    assert back.turn_rule is None
+    assert (back.id, back.prompt, back.status, back.tag) == (4, [1, 2], WAITING, "g0")
+    assert s.turn_rule is max  # the original keeps its rule
