@@ -7,7 +7,8 @@ The same sequences (same prompts, seeds, settings and long-tailed lengths: one i
 `--tail-factor` x the budget, as in an RL step) are decoded by one engine twice: with its prompt sharing off
 (every sample runs its prompt's blocks) and on (`rollout.prefix_share`: the first sample of a group runs them,
 the others reference its pages). Reported per run: prompt tokens computed per sequence (hardware-independent),
-wall seconds of the step on this machine, forwards, whether every sequence's tokens are identical, and the KV
+wall seconds of the step on this machine and the process's CPU seconds (with one torch thread, what the step
+costs whatever else the machine runs), forwards, whether every sequence's tokens are identical, and the KV
 cache's memory: the peak bytes of its pages in use against the peak bytes of the live tokens (every row's cached
 positions), and what a dense cache of `max_batch` x canvas positions holds. The two runs alternate `--repeats`
 times so that a change of the machine's load hits both.
@@ -28,15 +29,15 @@ def _run(model, cfg, prompts: list[list[int]], seeds: list[int], lengths: list[i
 
     K = model.config.block_size
     T = max(-(-(len(p) + m) // K) * K for p, m in zip(prompts, lengths))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     engine = Engine(model, cfg, max_batch=max_batch, canvas_len=T, share_prefix=share)
     for p, s, m in zip(prompts, seeds, lengths):
         engine.submit(p, torch.Generator().manual_seed(s), max_new_tokens=m)
     memory = _Memory(engine.runner.cache)
     with torch.no_grad():
         done = engine.run(until=memory.sample)
-    wall = time.perf_counter() - t0
-    return {"share_prefix": share, "wall_s": wall, "forwards": engine.num_forwards,
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"share_prefix": share, "wall_s": wall, "cpu_s": cpu, "forwards": engine.num_forwards,
             "prompt_tokens_computed": engine.runner.prompt_tokens_computed,
             "prompt_tokens_per_sequence": engine.runner.prompt_tokens_computed / len(prompts),
             **memory.report(max_batch, T),
@@ -112,14 +113,15 @@ def main(argv: list[str]) -> int:
     for share, rs in runs.items():
         best = min(rs, key=lambda r: r["wall_s"])
         out["on" if share else "off"] = {k: v for k, v in best.items() if k != "tokens"} | {
-            "wall_s_all": [r["wall_s"] for r in rs]}
+            "wall_s_all": [r["wall_s"] for r in rs], "cpu_s_all": [r["cpu_s"] for r in rs]}
     res = {"bench": "prefix", "preset": a.preset, "prompts": a.prompts, "group": a.group, "prompt_len": a.prompt_len,
            "max_new": a.max_new, "tail_every": a.tail_every, "tail_factor": a.tail_factor,
            "max_batch": a.max_batch, "mode": a.mode, "temperature": a.temperature,
            "torch_threads": torch.get_num_threads(), "machine": platform.machine(), "identical_tokens": same,
            "runs": out,
            "prompt_tokens_ratio": out["off"]["prompt_tokens_computed"] / max(out["on"]["prompt_tokens_computed"], 1),
-           "wall_ratio": out["off"]["wall_s"] / out["on"]["wall_s"]}
+           "wall_ratio": out["off"]["wall_s"] / out["on"]["wall_s"],
+           "cpu_ratio": min(out["off"]["cpu_s_all"]) / min(out["on"]["cpu_s_all"])}
     _print(res)
     if a.json:
         with open(a.json, "w") as f:
@@ -133,13 +135,15 @@ def _print(res: dict) -> None:
 
     t = Table(title=f"ebpo bench prefix ({res['preset']}, {res['prompts']} prompts x G={res['group']}, "
                     f"{res['prompt_len']}-token prompts, {res['max_new']} new tokens)")
-    for col in ("prompt sharing", "prompt tokens / sequence", "forwards", "wall s (best)", "peak KV MB",
+    for col in ("prompt sharing", "prompt tokens / sequence", "forwards", "wall s (best)", "CPU s (best)", "peak KV MB",
                 "peak live-token KV MB", "peak / live", "dense cache MB"):
         t.add_column(col)
     for k, r in res["runs"].items():
         t.add_row(k, f"{r['prompt_tokens_per_sequence']:.0f}", str(r["forwards"]), f"{r['wall_s']:.2f}",
+                  f"{min(r['cpu_s_all']):.2f}",
                   f"{r['kv_peak_bytes'] / 2**20:.1f}", f"{r['kv_peak_live_bytes'] / 2**20:.1f}",
                   f"{r['kv_peak_over_live']:.2f}", f"{r['kv_dense_bytes'] / 2**20:.1f}")
     Console().print(t)
-    print(f"prompt tokens computed {res['prompt_tokens_ratio']:.2f}x fewer, wall time {res['wall_ratio']:.2f}x lower; "
+    print(f"prompt tokens computed {res['prompt_tokens_ratio']:.2f}x fewer, wall time {res['wall_ratio']:.2f}x lower, "
+          f"process CPU time {res['cpu_ratio']:.2f}x lower; "
           f"identical tokens: {res['identical_tokens']}")

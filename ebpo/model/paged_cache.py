@@ -62,8 +62,10 @@ class PagedKVCache(BlockKVCache):
 
     def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
                  page: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 initial_pages: int = 0):
+                 initial_pages: int = 0, cascade_min_shared: int = 128, cascade_ratio: float = 4.0):
         self.page, self.max_len, self.batch_size = int(page), max_len, batch_size
+        # `cascade` groups rows whose shared keys are at least this many, and `cascade_ratio` x their own ones
+        self.cascade_min_shared, self.cascade_ratio = int(cascade_min_shared), float(cascade_ratio)
         self._shape, self._dtype, self._device = (num_kv_heads, head_dim), dtype, device
         n = max(1, int(initial_pages))
         self.k = [torch.zeros((n, self.page, num_kv_heads, head_dim), dtype=dtype, device=device)
@@ -199,30 +201,33 @@ class PagedKVCache(BlockKVCache):
         for i, r in enumerate(rows):
             if min(self.lengths[r], lead[i]) >= P:
                 by_first.setdefault(self.tables[r][0], []).append(i)
-        groups, members, shared = [], [], []
+        L = keep.shape[2]
+        groups, members, shared, own = [], [], [], []
         for found in by_first.values():
             if len(found) < 2:
                 continue
             first = self.tables[rows[found[0]]]
             pages = min(_common(first, self.tables[rows[i]], self.lengths[rows[i]] // P) for i in found)
             n = min([pages * P] + [lead[i] for i in found])
-            if n < P:
+            # a row gains when its shared keys outnumber its own: scoring those is the slower part here
+            found = [i for i in found if n >= self.cascade_ratio * (min(self.lengths[rows[i]], S) - n + L)]
+            if len(found) < 2 or n < max(P, self.cascade_min_shared):
                 continue
             idx = (torch.tensor(first[:-(-n // P)], dtype=torch.long, device=keep.device)[:, None] * P
                    + torch.arange(P, device=keep.device)).reshape(-1)[:n]
             groups.append((torch.tensor(found, dtype=torch.long, device=keep.device), idx))
             members += found
             shared += [n] * len(found)
+            own += [max(0, min(self.lengths[rows[i]], S) - n) for i in found]
         if not groups:
             return None
         dev = keep.device
-        R = S - min(shared)
+        R = max(own)  # keys past a row's own length are masked: the rest stops at the longest row's
         pos = torch.tensor(shared, device=dev)[:, None] + torch.arange(R, device=dev)[None]  # (c, R)
         inside = pos < S
         pos = pos.clamp(max=S - 1)
         m = torch.tensor(members, dtype=torch.long, device=dev)
         rest_index = self._index[m].gather(1, pos)
-        L = keep.shape[2]
         k_rest = keep[m][:, :, :, :S].gather(3, pos[:, None, None, :].expand(-1, 1, L, -1)) & inside[:, None, None, :]
         rest_keep = torch.cat([k_rest, keep[m][:, :, :, S:]], dim=3)
         plain = torch.tensor([i for i in range(len(rows)) if i not in set(members)], dtype=torch.long, device=dev)

@@ -121,7 +121,7 @@ def test_cascade_split_gives_attention_over_each_rows_prefix(seed):
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     Hq, n_rows, pg = 4, 6, 4
-    paged = PagedKVCache(L, n_rows, 48, H, D, page=pg)
+    paged = PagedKVCache(L, n_rows, 48, H, D, page=pg, cascade_min_shared=0, cascade_ratio=0)
     vals = [(torch.randn(1, 12, H, D, generator=g), torch.randn(1, 12, H, D, generator=g))] * L
     _forward(paged, [0], 12, vals)
     paged.commit(12)
@@ -161,7 +161,7 @@ def test_cascade_split_gives_attention_over_each_rows_prefix(seed):
 
 
 def test_no_cascade_without_shared_pages():
-    paged = PagedKVCache(L, 3, 24, H, D, page=P)
+    paged = PagedKVCache(L, 3, 24, H, D, page=P, cascade_min_shared=0, cascade_ratio=0)
     for r in range(3):
         _forward(paged, [r], 8, [(torch.randn(1, 8, H, D), torch.randn(1, 8, H, D))] * L)
         paged.commit(8)
@@ -174,3 +174,30 @@ def test_no_cascade_without_shared_pages():
     paged.stage(0, torch.randn(3, 2, H, D), torch.randn(3, 2, H, D))
     split = paged.cascade(0, keep)
     assert split.rows.tolist() == [0, 2] and split.plain.tolist() == [1] and len(split.groups[0][1]) == 8
+
+
+def test_cascade_groups_only_rows_whose_shared_keys_dominate():
+    """Defaults: a group needs 128 shared keys or more, and a row joins it only while its own keys (plus the new
+    ones) are at most a quarter of them; the rest attend plainly."""
+    paged = PagedKVCache(L, 4, 400, H, D, page=8)
+    _forward(paged, [0], 128, [(torch.randn(1, 128, H, D), torch.randn(1, 128, H, D))] * L)
+    paged.commit(128)
+    for r in (1, 2, 3):
+        paged.copy_prefix(0, r, 128)
+    own = [(torch.randn(4, 40, H, D), torch.randn(4, 40, H, D))] * L
+    _forward(paged, [0, 1, 2, 3], 40, own)
+    paged.commit([0, 8, 24, 40])  # own keys 0, 8, 24, 40 (+ 2 new): 128 >= 4 x (own + 2) for 0, 8 and 24, not 40
+    keep = torch.ones(4, 1, 2, paged.begin([0, 1, 2, 3]).prefix_len + 2, dtype=torch.bool)
+    for i, n in enumerate(paged.lengths):
+        keep[i, 0, :, n:-2] = False
+    paged.stage(0, torch.randn(4, 2, H, D), torch.randn(4, 2, H, D))
+    split = paged.cascade(0, keep)
+    assert split.rows.tolist() == [0, 1, 2] and split.plain.tolist() == [3]
+    assert split.rest_k.shape[1] == 24 + 2  # the longest grouped row's own keys, then the new ones
+    small = PagedKVCache(L, 2, 64, H, D, page=8)
+    _forward(small, [0], 64, [(torch.randn(1, 64, H, D), torch.randn(1, 64, H, D))] * L)
+    small.commit(64)
+    small.copy_prefix(0, 1, 64)
+    small.begin([0, 1])
+    small.stage(0, torch.randn(2, 2, H, D), torch.randn(2, 2, H, D))
+    assert small.cascade(0, torch.ones(2, 1, 2, 66, dtype=torch.bool)) is None  # 64 shared keys: too few to gain
