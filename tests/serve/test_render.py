@@ -82,6 +82,15 @@ def test_an_assistant_turn_that_ends_on_a_block_boundary_gets_no_filler():
     assert prompt_ids(TOK, msgs, None, k, EOS) == head + ids("abc") + [EOS] + ids("[user]r[A]")
 
 
+def test_each_run_of_messages_between_assistant_turns_is_one_extension():
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+            {"role": "tool", "content": "x"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "r"}, {"role": "tool", "content": "y"}]
+    want = ids("[user]q[A]") + ids("a") + [EOS] + ids(OBSERVATION_TEMPLATE.format(observation="x")) + ids("b") + [EOS]
+    want = want + ids("[user]r[A]") + ids(OBSERVATION_TEMPLATE.format(observation="y"))
+    assert prompt_ids(TOK, msgs, None, 1, EOS) == want
+
+
 def test_the_observation_template_is_the_callers():
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
             {"role": "tool", "content": "x"}]
@@ -90,7 +99,7 @@ def test_the_observation_template_is_the_callers():
 
 
 def test_a_conversation_ending_with_an_assistant_message_is_refused():
-    with pytest.raises(ValueError, match="nothing to answer"):
+    with pytest.raises(ValueError, match="^the last message is an assistant message: there is nothing to answer$"):
         prompt_ids(TOK, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], None, 4, EOS)
 
 
@@ -103,11 +112,15 @@ def test_extension_ids_of_tool_results_and_a_new_user_message():
     assert extension_ids(TOK, [{"role": "tool", "content": "z"}], "({observation})") == ids("(z)")
 
 
+ENDS = "^the messages after an assistant turn must end with a user or tool message$"
+
+
 @pytest.mark.parametrize("msgs, match", [
-    ([], "must end with a user or tool message"),
-    ([{"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}], "must end with a user or tool"),
-    ([{"role": "user", "content": "1"}, {"role": "system", "content": "s"}], "must end with a user or tool"),
-    ([{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}], "an assistant message is not"),
+    ([], ENDS),
+    ([{"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}], ENDS),
+    ([{"role": "user", "content": "1"}, {"role": "system", "content": "s"}], ENDS),
+    ([{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}],
+     "^extension_ids: an assistant message is not an extension$"),
 ])
 def test_extension_ids_refuses_what_is_not_an_extension(msgs, match):
     with pytest.raises(ValueError, match=match):

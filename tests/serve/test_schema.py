@@ -104,6 +104,14 @@ def test_a_lone_surrogate_anywhere_is_refused_and_named_by_its_top_level_field(t
     assert (e.code, e.param) == ("invalid_text", None)
 
 
+@pytest.mark.parametrize("after", ["ok", 1, None, 2.5, True])
+def test_every_value_is_checked_whatever_comes_before_it(after):
+    """The scan goes on past plain values (strings, numbers, null, booleans) to the ones after them."""
+    assert refused(check_json, ["\ud800", after]).code == "invalid_text"
+    assert refused(check_json, {"a": nested(MAX_JSON_DEPTH), "b": after}).code == "too_deep"
+    assert refused(check_json, {"messages": [{"content": "\udfff"}], "model": after}).param == "messages"
+
+
 def test_valid_text_passes_the_check():
     check_json({"model": "m", "messages": [{"role": "user", "content": "\U0001F600 ✓ é \ue000"}], "n": 1.5,
                 "x": [None, True, 3]})
@@ -341,6 +349,11 @@ def test_bad_or_unsupported_fields_are_refused_naming_the_field(fields, param, c
     e = refused(parse_request, body(**fields), DEFAULT, LIMIT)
     assert (e.param, e.code, e.status, e.type) == (param, code, 400, "invalid_request_error")
     assert e.message.startswith(starts), e.message
+
+
+def test_a_neutral_field_does_not_let_an_unknown_one_after_it_pass():
+    e = refused(parse_request, {"frequency_penalty": 0, "logprobs": False, "bogus": 1, **body()}, DEFAULT, LIMIT)
+    assert (e.param, e.code) == ("bogus", "unsupported_parameter")
 
 
 def test_neutral_values_of_unimplemented_fields_pass():
