@@ -17,7 +17,7 @@ import torch
 
 import ebpo.rl.learner as learner_mod
 from ebpo.core.likelihood import all_composites
-from ebpo.rl.async_behaviour import check_versions
+from ebpo.rl.async_behaviour import BehaviourSnapshots, check_block_versions, check_versions, split_rows
 from ebpo.rl.learner import EBPOLearner, LearnerConfig
 from ebpo.rl.records import LearnerBatch, build_learner_batch
 from tests.support.models import small_lm
@@ -50,7 +50,11 @@ SPLIT = [[-1, 0, 1, 2, -1], [-1, 1, 2, 2, -1], [-1, 2, 2, 2, -1], [-1, 1, 1, 1, 
 
 
 class Spy:
-    """Records the noise of `prepare_behaviour` and every (rows, prox, behaviour) the loss receives."""
+    """Records the noise of `prepare_behaviour` and every (rows, prox, behaviour) the loss receives.
+
+    `prepare_behaviour` runs under a `meta` default device: a tensor it made without the learner's device would
+    land on `meta` and fail (or give no numbers) where it meets the learner's CPU tensors, so every test that
+    compares the spied values with a reference also checks that they were computed on the learner's device."""
 
     def __init__(self, monkeypatch):
         self.noise, self.calls = None, []
@@ -58,7 +62,8 @@ class Spy:
 
         def spy_prepare(learner, wv, ids, noise, *args, **kwargs):
             self.noise = noise
-            return prepare(learner, wv, ids, noise, *args, **kwargs)
+            with torch.device("meta"):
+                return prepare(learner, wv, ids, noise, *args, **kwargs)
 
         def spy_rows(behaviour, rows, prox):
             out = of_rows(behaviour, rows, prox)
@@ -309,13 +314,16 @@ def test_learner_refuses_bad_block_versions():
     assert m["actor/is_weight_max"] >= m["actor/is_weight_min"] > 0
 
 
-def _versioned_batch(model, seed, versions):
+def _versioned_batch(model, seed, versions, block_versions=None):
     g = torch.Generator().manual_seed(seed)
     eos, B = model.config.eos_token_id, len(versions)
     ids = torch.randint(0, eos, (B, 20), generator=g)
     ids[:, 15:] = eos
-    return {"input_ids": ids, "prompt_lens": torch.full((B,), 5), "advantages": torch.randn(B, generator=g),
-            "weight_version": torch.tensor(versions)}
+    out = {"input_ids": ids, "prompt_lens": torch.full((B,), 5), "advantages": torch.randn(B, generator=g),
+           "weight_version": torch.tensor(versions)}
+    if block_versions is not None:
+        out["block_versions"] = torch.tensor(block_versions)
+    return out
 
 
 @pytest.mark.parametrize("fields", [{"mu": 1}, {"mu": 2, "minibatch_size": 2, "grad_replay": True}])
@@ -378,8 +386,10 @@ def _group_worker(rank, world, port, out_path):
     learner = EBPOLearner(small_lm(), LearnerConfig(num_workers=world, lr=0.01, n_draws=2, seed=0, max_staleness=1,
                                                   noise="bernoulli"))
     model = learner.get_model()
-    metrics = [learner.update(_versioned_batch(model, i, v))
-               for i, v in enumerate([[0] * 4, [0, 1, 0, 1], [1, 2, 1, 2]])]
+    # the last batch: row 0 split across versions 1 and 2 (on rank 0 of two), the others one version each
+    split = [[-1, 1, 2, 2, -1], [-1, 2, 2, 2, -1], [-1, 1, 1, 1, -1], [-1, 2, 2, 2, -1]]
+    metrics = [learner.update(_versioned_batch(model, i, v, bv))
+               for i, (v, bv) in enumerate([([0] * 4, None), ([0, 1, 0, 1], None), ([1, 2, 1, 2], split)])]
     if rank == 0:
         torch.save(metrics, out_path)
     if torch.distributed.is_initialized():
@@ -427,3 +437,85 @@ def test_the_learner_refuses_a_sample_newer_than_its_weights():
         with pytest.raises(ValueError, match="weight_version"):
             learner.update(_versioned_batch(model, 1, versions))
     learner.update(_versioned_batch(model, 1, [0, 1]))  # in range: accepted
+
+
+def test_the_refusals_name_the_allowed_range_and_the_first_bad_block():
+    with pytest.raises(ValueError, match=r"^batch\.weight_version: versions 1\.\.4 outside 2\.\.4 \(learner at version 4, "
+                                         r"learner\.max_staleness = 2\)$"):
+        check_versions(torch.tensor([4, 1]), 4, 2)
+    scored = torch.zeros(2, 10, dtype=torch.bool)  # 3 blocks of 4 (the last one short)
+    scored[:, 4:9] = True
+    with pytest.raises(ValueError, match=r"^batch\.block_versions: row 1 has a version for block 4, past the batch's 3 "
+                                         r"blocks of 4 tokens$"):
+        check_block_versions(torch.tensor([[-1, 3, 3, -1, -1], [-1, 3, 3, -1, 2]]), scored, 4, 3, 1)
+    with pytest.raises(ValueError, match=r"row 0 has a version for block 3, past"):  # version 0 is a version too
+        check_block_versions(torch.tensor([[-1, 0, 0, 0], [-1, 0, 0, -1]]), scored, 4, 0, 0)
+
+
+def test_missing_trailing_block_versions_read_as_undecoded():
+    scored = torch.zeros(2, 12, dtype=torch.bool)
+    scored[:, 4:8] = True  # only block 1 holds scored positions
+    bv = check_block_versions(torch.tensor([[-1, 3], [-1, 2]]), scored, 4, 3, 1)
+    assert bv.tolist() == [[-1, 3, -1], [-1, 2, -1]] and bv.dtype == torch.long
+    # a version that would be refused (3 behind) is not invented for the missing column
+    assert check_block_versions(torch.tensor([[-1, 5]]), scored[:1], 4, 5, 0).tolist() == [[-1, 5, -1]]
+
+
+def test_split_rows_are_the_rows_with_two_decoded_versions():
+    bv = torch.tensor([[-1, 2, 2, -1], [1, 1, -1, -1], [0, 1, -1, 2], [-1, -1, -1, -1], [3, -1, 3, 3]])
+    assert split_rows(bv).tolist() == [False, False, True, False, False]
+    assert split_rows(torch.tensor([[-1, -1], [0, 0]])).tolist() == [False, False]
+
+
+def test_snapshots_keep_s_versions_on_the_cpu_and_round_trip():
+    model = small_lm()
+    none = BehaviourSnapshots(0)  # a synchronous learner keeps no copy
+    none.record(model, 0)
+    assert none.versions == {}
+    snaps = BehaviourSnapshots(2)
+    for v in range(4):
+        snaps.record(model, v)
+        snaps.prune(v + 1)
+    assert sorted(snaps.versions) == [2, 3]
+    w = snaps.get(3)
+    assert all(x.device.type == "cpu" for x in w.values())
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert not torch.equal(w[next(iter(model.state_dict()))], next(iter(model.state_dict().values())))  # a copy
+    with pytest.raises(KeyError, match=r"behaviour weights of version 1 are not kept \(kept: \[2, 3\]; "
+                                       r"learner\.max_staleness = 2\)"):
+        snaps.get(1)
+    again = BehaviourSnapshots(2)
+    again.restore(snaps.state())
+    assert snaps.state()["keep"] == 2 and sorted(again.versions) == [2, 3] and again.versions is not snaps.versions
+    assert all(torch.equal(again.get(3)[k], w[k]) for k in w)
+
+
+def test_without_weight_versions_every_row_is_fresh_and_split_rows_cost_no_whole_row_pass(monkeypatch):
+    """prepare_behaviour returns (behav (B, N), stale (B,), split); a split row's behaviour comes from its block
+    deltas alone, so a batch whose only stale rows are split runs no whole-row pass under an old version."""
+    prepare, seen = learner_mod.prepare_behaviour, []
+
+    def spy(learner, *args, **kwargs):
+        composites = learner.composites
+        kinds = []
+        learner.composites = lambda *a, **k: kinds.append(k.get("blocks", False)) or composites(*a, **k)
+        try:
+            out = prepare(learner, *args, **kwargs)
+        finally:
+            learner.composites = composites
+        seen.append((out, kinds))
+        return out
+
+    monkeypatch.setattr(learner_mod, "prepare_behaviour", spy)
+    model = small_lm()
+    learner = EBPOLearner(model, LearnerConfig(lr=0.05, n_draws=2, seed=0, max_staleness=1))
+    batch = _batch(model, 0, [0, 0, 0])
+    del batch["weight_version"]
+    learner.update(batch)
+    (behav, stale, split), _ = seen[-1]
+    assert behav.shape == (3, 2) and stale.tolist() == [False] * 3 and split is None
+    learner.update(_batch(model, 1, [0, 1, 1], block_versions=[[-1, 0, 1, 1, -1]] + _uniform([1, 1])))
+    (_, stale, split), kinds = seen[-1]
+    assert stale.tolist() == [True, False, False] and split.tolist() == [True, False, False]
+    assert kinds and all(kinds)  # block passes only (live, then version 0)
