@@ -57,14 +57,20 @@ def filter_logits(x: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
 def _check(logits, temperature, top_k, top_p, generators):
     if logits.dim() != 3:
         raise ValueError(f"logits must be (B, K, V), got shape {tuple(logits.shape)}")
+    check_sampling(logits.shape[0], temperature, top_k, top_p, generators)
+
+
+def check_sampling(rows: int, temperature: float, top_k: int, top_p: float, generators) -> None:
+    """Refuse sampling settings out of range (temperature >= 0, top_p in (0, 1], top_k >= 0) and a generator list
+    that is not one per row, with a ValueError naming the setting."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {top_k}")
-    if generators is not None and len(generators) != logits.shape[0]:
-        raise ValueError(f"generators: need one per batch row ({logits.shape[0]}), got {len(generators)}")
+    if generators is not None and len(generators) != rows:
+        raise ValueError(f"generators: need one per batch row ({rows}), got {len(generators)}")
 
 
 def gumbel_noise(shape, g: torch.Generator | None, device) -> torch.Tensor:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.decode import gumbel_noise  # the single-process sampler's noise: same draws by construction
+from kernels.decode import check_sampling, gumbel_noise  # the single-process sampler's noise: same draws by construction
 
 TOP_P_FIRST_M = 256
 
@@ -56,14 +56,7 @@ def _gather(t: torch.Tensor, group) -> torch.Tensor:
 def _check(local, shard: VocabShard, temperature, top_k, top_p, generators):
     if local.dim() != 3 or local.shape[-1] != shard.stop - shard.start:
         raise ValueError(f"local logits must be (B, K, {shard.stop - shard.start}), got {tuple(local.shape)}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
-    if generators is not None and len(generators) != local.shape[0]:
-        raise ValueError(f"generators: need one per batch row ({local.shape[0]}), got {len(generators)}")
+    check_sampling(local.shape[0], temperature, top_k, top_p, generators)
 
 
 def _penalise(x: torch.Tensor, shard: VocabShard, suppress, penalty: float) -> torch.Tensor:
