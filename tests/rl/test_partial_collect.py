@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import ebpo.rl.partial_collect as pc
-
 ray = pytest.importorskip("ray")
+
+import ebpo.rl.partial_collect as pc  # noqa: E402 (imports ray)
 
 from tests.support.async_runs import LEARNER, assert_same_steps, data, make_cfg, read_metrics, train  # noqa: E402,F401
 from tests.support.ray_runs import ray_local  # noqa: E402,F401
