@@ -1,7 +1,9 @@
 """Partial rollouts (ebpo.rl.partial_collect, the driver's side) through real Ray actors (tiny random model,
 `trainer.partial_rollouts=true`): unfinished groups carry over to later steps with a weight version per block, the
 lag bound holds, a frozen policy gives importance weights of exactly 1, and a run resumed from a checkpoint taken
-with sequences in flight repeats the uninterrupted run."""
+with sequences in flight repeats the uninterrupted run. Without Ray (fast): `collect_partial` against stand-in
+rollout workers, for the ledger's rules (groups in flight, worker assignment and quotas, the lag bound's versions,
+lost and dropped work, the carried-token share, seeds, checkpoint state)."""
 import contextlib
 from types import SimpleNamespace
 
