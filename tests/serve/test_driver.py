@@ -176,7 +176,7 @@ def test_an_aborted_stream_stops_reporting_and_its_rows_are_freed(small):
         while not blocks and time.monotonic() < deadline:
             time.sleep(0.005)
         driver.abort(fut)
-        with pytest.raises(concurrent.futures.CancelledError):
+        with pytest.raises(concurrent.futures.CancelledError, match="^aborted by the caller$"):
             fut.result(timeout=30)
         after = driver.submit([5, 6], GREEDY)  # the one slot is free again
         _finish([after])
@@ -206,6 +206,7 @@ def test_on_block_reports_only_committed_blocks_in_order(small, window):
     finally:
         driver.close()
     s = fut.result()
+    assert driver.watched == {} and driver.pending == {}  # a finished stream is no longer watched
     final = s.canvas[len(prompt):len(prompt) + 20]
     assert reports, "nothing was streamed"
     lens = [len(t) for _, t in reports]
@@ -214,6 +215,27 @@ def test_on_block_reports_only_committed_blocks_in_order(small, window):
         assert toks == final[:len(toks)]
         assert len(prompt) + len(toks) == (block - window) * K
     assert lens[-1] < 20
+
+
+def test_every_stream_is_reported_in_the_step_its_blocks_grow(small):
+    """Several streams of different lengths in one batch: each report of each stream is one block more than its
+    last (blocks commit one at a time, and a stream is reported after every step in which it grew), even in the
+    steps where another stream finishes."""
+    K = small.config.block_size
+    reports: dict = {}
+    driver = EngineDriver(small, None, max_batch=4, max_len=64).start()
+    try:
+        futs = []
+        for i, n in enumerate((6, 10, 14, 40)):
+            cfg = DecodeConfig.preset("quality", max_new_tokens=n, stop_at_eos=False, temperature=0.7)
+            futs.append(driver.submit([5, 6, 7, 8], cfg, torch.Generator().manual_seed(i),
+                                      on_block=lambda s, toks, i=i: reports.setdefault(i, []).append(len(toks))))
+        _finish(futs)
+    finally:
+        driver.close()
+    for i, lens in reports.items():
+        assert lens == [K * (j + 1) for j in range(len(lens))], (i, lens)
+    assert len(reports[3]) == 40 // K - 1  # every block but the last, which comes with the finished sequence
 
 
 def test_committed_tokens_is_none_unless_a_block_is_decoding(small):
@@ -227,9 +249,10 @@ def test_committed_tokens_is_none_unless_a_block_is_decoding(small):
     # the first block of the answer is active: nothing committed yet
     first = SimpleNamespace(status="decoding", slot=0, mbe_start=None, cfg=cfg, block=1, prompt_len=4, max_new=8)
     assert driver.committed_tokens(first) == []
-    early = SimpleNamespace(status="decoding", slot=0, mbe_start=None, cfg=SimpleNamespace(mbe_window=2), block=2,
-                            prompt_len=4, max_new=8)
-    assert driver.committed_tokens(early) == []
+    for block in (0, 1, 2):  # the MBE window reaches back before the answer: nothing committed
+        early = SimpleNamespace(status="decoding", slot=0, mbe_start=None, cfg=SimpleNamespace(mbe_window=2),
+                                block=block, prompt_len=4, max_new=8)
+        assert driver.committed_tokens(early) == []
 
 
 class _RaisingForward(torch.nn.Module):
