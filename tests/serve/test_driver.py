@@ -227,7 +227,9 @@ def test_every_stream_is_reported_in_the_step_its_blocks_grow(small):
     try:
         futs = []
         for i, n in enumerate((6, 10, 14, 40)):
-            cfg = DecodeConfig.preset("quality", max_new_tokens=n, stop_at_eos=False, temperature=0.7)
+            # every mask above tau_mask 0 and no editing: each block ends after one forward, so a stream grows
+            # in every step, also the steps in which another one finishes
+            cfg = DecodeConfig.preset("m2t", tau_mask=0.0, max_new_tokens=n, stop_at_eos=False, temperature=0.7)
             futs.append(driver.submit([5, 6, 7, 8], cfg, torch.Generator().manual_seed(i),
                                       on_block=lambda s, toks, i=i: reports.setdefault(i, []).append(len(toks))))
         _finish(futs)
