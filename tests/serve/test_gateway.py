@@ -557,14 +557,18 @@ def test_tool_choice_none_renders_no_tools(stub):
 
 def test_a_request_that_is_not_an_extension_starts_a_new_segment(stub):
     """Rewritten history (a changed earlier message, a changed reply, the same messages again, fewer): the current
-    segment is ended and kept as `rewritten`, a new sequence starts from the rendered messages."""
+    segment is ended and kept as `rewritten`, a new sequence starts from the rendered messages (a tool message in
+    them in the rollout's observation template)."""
+    seen = {}
+
     async def agent(client, row):
         msgs = [{"role": "user", "content": "gh"}]
         r = await client.chat.completions.create(model="p", messages=msgs)
         reply = r.choices[0].message.model_dump(exclude_none=True)
         await client.chat.completions.create(model="p", messages=msgs)  # the same messages again
         await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "gg"}, reply,
-                                                                  {"role": "user", "content": "h"}])
+                                                                  {"role": "tool", "content": "h"}])
+        seen["reply"] = reply
         r = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "jj"}])
         changed = {**r.choices[0].message.model_dump(exclude_none=True), "content": "zz"}
         await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "jj"}, changed,
@@ -577,9 +581,11 @@ def test_a_request_that_is_not_an_extension_starts_a_new_segment(stub):
     finally:
         gw.close()
     assert [seg["stop"] for seg in t["segments"]] == ["rewritten"] * 4
+    reply = {"role": "assistant", "content": seen["reply"].get("content") or ""}
     assert [seg["prompt_ids"] for seg in t["segments"]] == [
         _render_prompt([{"role": "user", "content": c}]) for c in ("gh", "gh")] + [
-        t["segments"][2]["prompt_ids"], _render_prompt([{"role": "user", "content": "jj"}])]
+        _render_prompt([{"role": "user", "content": "gg"}, reply, {"role": "tool", "content": "h"}]),
+        _render_prompt([{"role": "user", "content": "jj"}])]
     assert len(t["turns"]) == 1 and t["stop"] == "done" and t["env_reward"] == 1.0
     assert t["prompt_ids"][:len(_render_prompt([{"role": "user", "content": "jj"}]))] == \
         _render_prompt([{"role": "user", "content": "jj"}])
@@ -641,13 +647,13 @@ def test_requests_the_gateway_refuses(stub):
         try:
             await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}], n=2)
         except openai.BadRequestError as e:
-            out["n"] = (e.body["code"], e.body["param"])
+            out["n"] = (e.body["code"], e.body["param"], e.body["message"])
         base = str(client.base_url).replace(f"/episodes/{row['eid']}/", "/episodes/nope/")
         other = openai.AsyncOpenAI(base_url=base, api_key="x", http_client=client._client, max_retries=0)
         try:
             await other.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}])
         except openai.NotFoundError as e:
-            out["episode"] = (e.status_code, e.body["code"])
+            out["episode"] = (e.status_code, e.body["code"], e.body["message"])
         try:
             await client.chat.completions.create(model="p", messages=[{"role": "assistant", "content": "g"}])
         except openai.BadRequestError as e:
@@ -662,7 +668,10 @@ def test_requests_the_gateway_refuses(stub):
         t = _run(gw, named)[0]["trajectory"]
     finally:
         gw.close()
-    assert out == {"n": (None, "n"), "episode": (404, "unknown_episode"), "render": ("messages", True)}
+    assert out == {"n": (None, "n", "an agent episode samples one completion per request (n = 1)"),
+                   "episode": (404, "unknown_episode",
+                               "the gateway serves episodes: /episodes/{episode}/v1 of a running episode"),
+                   "render": ("messages", True)}
     assert not t["failed"] and len(t["turns"]) == 1 and t["segments"] == []
 
 
@@ -705,7 +714,7 @@ def test_the_agents_clock(stub, late):
         try:
             await client.chat.completions.create(model="p", messages=msgs)
         except openai.BadRequestError as e:
-            codes.append((e.body["code"], e.body["message"]))
+            codes.append((e.body["code"], e.body["param"], e.body["message"]))
         return 0.5
 
     gw = _fast(stub, step_timeout_s=0.4)
@@ -716,8 +725,8 @@ def test_the_agents_clock(stub, late):
     t = samples[0]["trajectory"]
     if late:
         assert t["stop"] == "env_timeout" and not t["failed"] and t["env_reward"] == 0.5 and len(t["turns"]) == 1
-        assert codes == [("episode_over", "the episode is over (no request came within step_timeout_s (0.4 s)); "
-                                          "no more turns")]
+        assert codes == [("episode_over", "messages", "the episode is over (no request came within step_timeout_s "
+                                                      "(0.4 s)); no more turns")]
     else:
         assert t["stop"] == "agent_timeout" and t["failed"] and t["turns"] == []
         assert t["error"] == "the agent function did not return within 2 x step_timeout_s (0.8 s) of its last answer"
@@ -838,8 +847,7 @@ def test_ending_a_segment_closes_its_waiting_step_or_its_next_one():
     assert ep.info == {"tool_calls": []}
     ep.end(REWRITE)
     ep.end(END)  # the first reason stays
-    (obs, reward, done, info), _ = step.result(0)
-    assert (obs, done, info) == (None, True, {"tool_calls": [], "ended_by": REWRITE})
+    assert step.result(0) == ((None, 0.0, True, {"tool_calls": [], "ended_by": REWRITE}), 0.0)
     assert ep.ended_by == REWRITE and not ep.waiting and ep.pending is None
     assert ep.offer([1], concurrent.futures.Future(), None) is False
 
@@ -898,3 +906,97 @@ def test_closing_a_batch_loop_cancels_what_an_abandoned_agent_left():
     empty = asyncio.new_event_loop()
     _close_loop(empty)
     assert empty.is_closed()
+
+
+def test_concurrent_requests_of_one_episode_keep_its_clock_stopped_until_both_are_answered(stub):
+    """Two requests in flight at once, then the agent hangs: the clock stopped while either was answered and runs
+    again after both (so the hung agent still costs its 2 T, not forever)."""
+    import asyncio
+
+    async def twice_then_hang(client, row):
+        msgs = [{"role": "user", "content": "g"}]
+        await asyncio.gather(client.chat.completions.create(model="p", messages=msgs),
+                             client.chat.completions.create(model="p", messages=msgs))
+        await asyncio.sleep(30)
+
+    gw = _fast(stub, step_timeout_s=0.4)
+    try:
+        samples, took = _run_bounded(gw, twice_then_hang, [{"prompt": "g"}], limit_s=20)
+    finally:
+        gw.close()
+    t = samples[0]["trajectory"]
+    assert t["stop"] == "agent_timeout" and t["failed"] and took < 5.0, (t["stop"], took)
+
+
+class _CallingStub(_ChatStub):
+    """Decodes id 6 as a whole, well-formed tool call of `calc`: every turn that samples it calls the tool."""
+
+    CALL = "<tool_call>{\"name\": \"calc\", \"arguments\": {\"expr\": \"1\"}}</tool_call>"
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.CALL if t == 6 else self.inner.decode([t], skip_special_tokens) for t in ids)
+
+
+def test_tool_calls_in_the_models_turns_are_returned_and_counted_against_the_turns_tools(stub):
+    from rollout.trajectory import Trajectory, summarize
+
+    seen = []
+
+    async def agent(client, row):
+        msgs = [{"role": "user", "content": "gh"}]
+        for k in range(3):
+            r = await client.chat.completions.create(model="p", messages=msgs, tools=[CALC] if k != 1 else None)
+            seen.append(r)
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "content": "f"}]
+        return 1.0
+
+    model, _ = stub
+    gw = _fast((model, _CallingStub()), max_turns=3)
+    try:
+        t = _run(gw, agent)[0]["trajectory"]
+    finally:
+        gw.close()
+    assert len(t["turns"]) == 3 and t["segments"] == []
+    called = [k for k, turn in enumerate(t["turns"]) if _CallingStub.CALL in turn["text"]]
+    assert called, "the stub never sampled its call token: pick another seed"
+    for k, turn in enumerate(t["turns"]):
+        n = turn["text"].count("<tool_call>")
+        ok = k != 1  # the second request sent no tools: its turn's calls name an unknown tool
+        assert [(c["name"], c["ok"]) for c in turn["tool_calls"]] == [("calc", ok)] * n
+        msg = seen[k].choices[0]
+        if n:
+            assert msg.finish_reason == "tool_calls"
+            assert [c.id for c in msg.message.tool_calls] == [f"call_1-0_{k}_{j}" for j in range(n)]
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.message.tool_calls] == \
+                [("calc", {"expr": "1"})] * n
+        else:
+            assert msg.message.tool_calls is None and msg.finish_reason in ("stop", "length")
+    counts = summarize([Trajectory.from_dict(t)])
+    n_calls = sum(turn["text"].count("<tool_call>") for turn in t["turns"])
+    assert counts["agent/tool_calls"] == n_calls > 0
+
+
+def test_a_request_that_comes_when_no_turn_waits_is_refused_not_queued(stub):
+    """An extension that finds the segment ending (no step waits for it) gets episode_over at once."""
+    import asyncio
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from ebpo.serve.gateway import Episode
+    from ebpo.serve.schema import RequestError, parse_request
+
+    gw = _fast(stub)
+    try:
+        ep = Episode("e", {}, None, 20.0)
+        ep.history = [{"role": "user", "content": "g"}, {"role": "assistant", "content": "x", "tool_calls": []}]
+        ep.segment = concurrent.futures.Future()  # its sequence still running, its step not waiting
+        gw.episodes["e"] = ep
+        req = parse_request({"model": "p", "messages": ep.history + [{"role": "tool", "content": "y"}]},
+                            gw.config, 1 << 30)
+        with pytest.raises(RequestError) as e:
+            asyncio.run(asyncio.wait_for(gw._complete(SimpleNamespace(path_params={"episode": "e"}), req), 10))
+    finally:
+        gw.close()
+    assert (e.value.status, e.value.param, e.value.code) == (400, "messages", "episode_over")
+    assert e.value.message == "the episode is over (its sequence is ending); no more turns"
+    assert ep.in_flight == 0
