@@ -519,3 +519,29 @@ def test_without_weight_versions_every_row_is_fresh_and_split_rows_cost_no_whole
     (_, stale, split), kinds = seen[-1]
     assert stale.tolist() == [True, False, False] and split.tolist() == [True, False, False]
     assert kinds and all(kinds)  # block passes only (live, then version 0)
+
+
+def test_split_rows_of_a_batch_with_more_rows_than_positions(monkeypatch):
+    """B = 10 rows of L = 8 positions (two blocks; row 0 split across versions 0 and 1): the per-block terms are
+    kept per row, whatever B and L are, and match the per-block loop."""
+    model = small_lm()
+    g = torch.Generator().manual_seed(3)
+    eos = model.config.eos_token_id
+
+    def batch(versions, bv=None):
+        ids = torch.randint(3, 100, (10, 8), generator=g)
+        ids[:, 7] = eos
+        out = {"input_ids": ids, "prompt_lens": torch.full((10,), 3), "advantages": torch.randn(10, generator=g),
+               "weight_version": torch.tensor(versions)}
+        if bv is not None:
+            out["block_versions"] = torch.tensor(bv)
+        return out
+
+    bv = [[0, 1]] + [[1, 1]] * 9
+    last = batch([0] + [1] * 9, bv)
+    learner, spy, states, _ = _run(monkeypatch, {"mu": 1}, [batch([0] * 10), last], s=1)
+    behav, prox = _behaviour_by_row(spy, 10)
+    ref, mag, nb = _reference(states, small_lm, last, bv, spy.noise, learner.cfg)
+    tol = _tolerance(mag, nb, model)
+    assert bool(((behav - ref).abs() <= tol).all()), (behav - ref).abs().max()
+    assert bool(((prox[0] - ref[0]).abs() > 10 * tol[0]).all())  # row 0's behaviour is not the proximal one
