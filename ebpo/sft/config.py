@@ -81,7 +81,7 @@ class LevDraftSection:
         "decoder rules for the next Levenshtein round's draft (objective.lev_rounds >= 2; ebpo/sft/lev_draft.py): "
         "the decode preset (quality, speed, m2t) whose tau_mask / tau_edit / num_to_transfer it applies, with "
         "tau_delete / tau_insert / max_lev_edits below; null = the model's argmax at every editable position "
-        "(before issue 35: every position rewritten, every DELETE / INSERT argmax applied)", "quality")
+        "(earlier releases: every position rewritten, every DELETE / INSERT argmax applied)", "quality")
     tau_delete: Optional[float] = doc("p(DELETE) threshold of the draft (the decoder's tau_delete; strict); null or "
                                       "negative = no DELETE", 0.5)
     tau_insert: Optional[float] = doc("p(INSERT) threshold of the draft (the decoder's tau_insert; strict); null or "
