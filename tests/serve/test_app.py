@@ -206,25 +206,6 @@ def test_the_api_key_is_required_and_compared_in_constant_time(limited, monkeypa
     assert good.chat.completions.create(model="tiny-agent", messages=USER, max_tokens=8).choices
 
 
-def test_the_api_key_comes_from_the_environment_unless_given(monkeypatch):
-    from ebpo.serve.cli import build_parser
-
-    monkeypatch.setenv("EBPO_API_KEY", "from-env")
-    assert build_parser().parse_args([]).api_key == "from-env"
-    assert build_parser().parse_args(["--api-key", "given"]).api_key == "given"
-    monkeypatch.delenv("EBPO_API_KEY")
-    assert build_parser().parse_args([]).api_key is None
-
-
-@pytest.mark.parametrize("host, local", [("127.0.0.1", True), ("127.3.4.5", True), ("localhost", True),
-                                         ("::1", True), ("0.0.0.0", False), ("::", False), ("10.1.2.3", False),
-                                         ("myhost.example", False)])
-def test_which_hosts_are_loopback(host, local):
-    from ebpo.serve.cli import is_loopback
-
-    assert is_loopback(host) is local
-
-
 # ---- a client that goes away, and shutdown: a server whose every forward takes 250 ms more
 
 @pytest.fixture()

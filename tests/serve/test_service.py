@@ -1,6 +1,7 @@
-"""Streaming chat completions of `ebpo serve` (ChatStream in ebpo/serve/service.py, SSEResponse in app.py), driven
-by the real `openai` client: the streamed text of every choice is the text of the same request unstreamed (same
-seed, or greedy), it arrives block by block, a stop string cuts it, and a client that leaves stops the decoding."""
+"""ebpo.serve.service: streaming chat completions of `ebpo serve` (ChatStream in ebpo/serve/service.py,
+SSEResponse in app.py), driven by the real `openai` client: the streamed text of every choice is the text of the
+same request unstreamed (same seed, or greedy), it arrives block by block, a stop string cuts it, and a client that
+leaves stops the decoding."""
 import json
 import time
 
