@@ -26,8 +26,7 @@ from rollout.config import DecodeConfig
 from rollout.engine import Engine
 from rollout.multiturn import MultiTurnConfig, TurnDriver, generate_multiturn
 from rollout.sequence import FINISHED
-from stub_model_mt40 import K, Rule, ScriptEnv, StubLM, StubTokenizer
-from test_engine_details_mt40 import exported_at_a_boundary
+from tests.support.stub_lm import K, Rule, ScriptEnv, StubLM, StubTokenizer, exported_at_a_boundary
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +43,8 @@ CASES = [  # (decode options, rule, stub margin, lev)
     (dict(preset="speed", temperature=0.7, top_k=5), Rule(eos=2), 3.0, False),
     (dict(preset="quality", tau_delete=0.5, tau_insert=0.5), Rule(eos=2, dele=9, ins=9), 10.0, True),
     (dict(preset="m2t", tau_delete=0.5, tau_insert=0.5, temperature=1.0), Rule(eos=2, dele=12, ins=7), 6.0, True),
+    # a model trained for Levenshtein editing, decoding without it: DELETE / INSERT are plain tokens then
+    (dict(preset="quality"), Rule(eos=2, dele=9, ins=9), 10.0, True),
     # Multi-Block Editing: its passes run eagerly, the blocks they change are refilled into the step's cache
     (dict(preset="quality", mbe_window=2), Rule(eos=2), 10.0, False),
     (dict(preset="m2t", mbe_window=1, mbe_max_passes=3, stop_at_eos=False), Rule(eos=2, edit=True), 10.0, False),
