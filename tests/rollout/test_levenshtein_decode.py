@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import make_model
-from decode_reference import reference_decode
+from tests.support.decode_reference import reference_decode
 from rollout import DecodeConfig, generate
 
 PROMPTS = [[0, 11], [0] + list(range(20, 27)), [0] + list(range(30, 42)), [0] + list(range(50, 65))]

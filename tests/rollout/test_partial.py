@@ -1,5 +1,5 @@
 """Partial rollouts (`rollout.partial`) against a plain-Python model of their documented rules, on the stub model
-of stub_model_mt40.py (milliseconds per call).
+of tests/support/stub_lm.py (milliseconds per call).
 
 The reference `RefPartial` keeps the same state as `PartialRollouts` by hand: sequences at block boundaries
 carried across calls, each block decoded whole under the version of the call that started it (the stub's
@@ -19,7 +19,7 @@ import rollout.compiled as compiled
 from rollout.config import DecodeConfig
 from rollout.partial import CollectStats, NewSequence, PartialRollouts, close_env, decoded_tokens
 from rollout.sequence import Sequence
-from stub_model_mt40 import EOS, K, MASK, Rule, StubLM, ctx_of
+from tests.support.stub_lm import EOS, K, MASK, Rule, StubLM, ctx_of
 
 RULE = Rule(a=5, b=3, c=1, eos=9, mod=97)
 
@@ -206,17 +206,37 @@ def test_collect_calls_equal_the_reference(case):
     the reference's sequences (tags, tokens, each block's version) and stats, call after call; eager, and with
     the compiled step (its slots refilled when a carried sequence is adopted); the hand-written schedules,
     then random ones."""
+    _run_schedule(case, holder=False)
+
+
+@pytest.mark.parametrize("case", list(range(10)) + list(range(len(SCHEDULES) - 10, len(SCHEDULES))))
+def test_sequences_held_in_a_long_lived_engine_between_calls_equal_the_reference(case):
+    """The same with one long-lived engine for every call (a rollout worker's `EngineHolder`): carried
+    sequences stay held in their slots between calls (`Engine.export(keep_slots=True)`) instead of leaving as
+    host state, and everything the reference says still holds."""
+    _run_schedule(case, holder=True)
+
+
+def _run_schedule(case, holder):
+    from rollout.engine import resident
+    from rollout.engine_holder import EngineHolder
+
     preset, max_batch, max_new, calls, static, eos, lens = SCHEDULES[case]
     cfg = DecodeConfig.preset(preset, max_new_tokens=max_new, compiled_step=static)
     fpb = 2 if cfg.editing else 1
     rule = Rule(a=5, b=3, c=1 + case, eos=eos, mod=97)
     model, part, ref = StubLM(rule), PartialRollouts(), RefPartial(rule)
+    engines = EngineHolder(model) if holder else None
     for call, (groups, size, quota, min_v, due_v) in enumerate(calls):
         model.version = call
         reqs = _requests(call, groups, size, lens)
         new = [NewSequence(p, None, t) for p, t in reqs]
         out, stats = part.collect(model, cfg, new, quota, call, max_batch=max_batch, min_version=min_v,
-                                  due_version=due_v)
+                                  due_version=due_v, engines=engines)
+        if holder:  # the active carried sequences wait in the engine's slots, the queued ones outside
+            e = engines.engine
+            assert all(resident(e, s) == (s.status != "queued") for s in part.carried)
+            assert sum(resident(e, s) for s in part.carried) == len(e.active) <= e.max_batch
         ref_out, ref_stats = ref.collect(reqs, quota, call, max_batch, fpb, max_new, min_v, due_v)
         _check(out, stats, ref_out, ref_stats)
         assert set(part.group_sizes) == set(ref.sizes)
@@ -407,7 +427,7 @@ def test_multi_turn_sequences_carried_over_decode_what_they_would_uninterrupted(
     from ebpo.core.turns import round_up
     from rollout.env_steps import StepRunner
     from rollout.multiturn import MultiTurnConfig, trajectory_of
-    from stub_model_mt40 import ScriptEnv, StubTokenizer, reference_multiturn
+    from tests.support.stub_lm import ScriptEnv, StubTokenizer, reference_multiturn
 
     rule = Rule(eos=6, tool=8, c=2)
     mt = MultiTurnConfig(max_turns=3, max_turn_tokens=6, max_total_tokens=40,
@@ -449,3 +469,36 @@ def test_multi_turn_sequences_carried_over_decode_what_they_would_uninterrupted(
                                                                ref["stop"])
         assert envs[i].texts == ref["texts"]
     assert [s.stop for s in out if len(s.prompt) == 42] == (["max_total_tokens"] if long else [])
+
+
+def test_held_sequences_keep_their_keys_and_values_while_the_weights_stay():
+    """Between two calls under the same weights a held sequence's cached positions are reused, not computed
+    again; after a weight swap they are recomputed from position 0; the tokens equal those of the host-state
+    path (a fresh engine per call, which adopts the carried sequences)."""
+    from rollout.engine_holder import EngineHolder
+
+    cfg = DecodeConfig.preset("m2t", max_new_tokens=6 * K, stop_at_eos=False)
+    # a prompt of whole blocks decodes 6 blocks, one a token longer 7: the first is returned, the second carried
+    reqs = [(_prompt(0, 2 * K), "a"), (_prompt(1, 2 * K + 1), "b")]
+
+    def run(holder, versions):
+        model, part = StubLM(RULE), PartialRollouts()
+        engines = EngineHolder(model) if holder else None
+        out, computed = [], []
+        for call, v in enumerate(versions):
+            model.version = v
+            new = [NewSequence(p, None, t) for p, t in reqs] if call == 0 else []
+            got, _ = part.collect(model, cfg, new, 1, v, max_batch=2, engines=engines)
+            assert [s.tag for s in got] == ["ab"[call]] and len(part.carried) == 1 - call
+            out += got
+            computed.append(engines.engine.runner.prompt_tokens_computed if holder else None)
+        assert engines is None or engines.rebuilds == 1
+        return [(s.tag, s.canvas, s.block_versions) for s in out], computed
+
+    held, n_held = run(True, [0, 0])
+    host, _ = run(False, [0, 0])
+    assert held == host
+    assert n_held[1] == n_held[0] >= 4 * K + 1  # both prompts computed in the first call only
+    swapped, n_swap = run(True, [0, 1])
+    assert n_swap[1] >= n_swap[0] + 2 * K + 1  # the weight swap recomputed the held prompt
+    assert swapped[1][2] != held[1][2]  # its later blocks were decoded under version 1

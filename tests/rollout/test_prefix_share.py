@@ -3,12 +3,12 @@ keys/values once and decode exactly what they decode alone.
 
 The stub model's cache holds (token, position) keys and its logits are a function of every key a position
 attends, so a copied prefix that is short, long, from the wrong row or stale changes the tokens; the reference is
-the plain decoder of tests/rollout/stub_engine_model.py, each sequence alone.
+the plain decoder of tests/support/stub_engine_model.py, each sequence alone.
 """
 import pytest
 import torch
 from conftest import make_model
-from stub_engine_model import StubModel, ref_single
+from tests.support.stub_engine_model import StubModel, ref_single
 
 from rollout import DecodeConfig, generate
 from rollout.engine import Engine

@@ -2,21 +2,26 @@
 settings share its forwards, `abort` frees a slot at once, and a long-lived engine forgets what it finished.
 
 The reference for mixed settings is each sequence decoded alone with its own settings: by the plain-Python
-reference decoder of tests/rollout/stub_engine_model.py (greedy rules), and by `generate` with one setting
-for the sampled ones on the tiny model (a sequence's draws come from its own generator only).
-"""
+reference decoder of tests/support/stub_engine_model.py (greedy rules), and by `generate` with one setting
+for the sampled ones on the tiny model (a sequence's draws come from its own generator only)."""
 import pytest
 import torch
-from conftest import make_model
-from stub_engine_model import StubModel, ref_single
 
+from conftest import make_model
 from rollout import DecodeConfig, generate
 from rollout.engine import Engine
 from rollout.sequence import FINISHED, QUEUED
+from tests.support.stub_engine_model import StubModel, ref_single
+
 
 K = 4
+
+
 PROMPTS = [[3, 4, 5], [], [5, 6, 7, 8, 9, 3], [0] * 9, [7, 7, 7, 7], [4, 3], [9, 9, 8]]
+
+
 MAX_NEW = [5, 8, 3, 11, 6, 7, 9]
+
 
 # every per-request decision setting, several at once; all with the prefix cache (an engine-wide choice)
 MIXED = [
@@ -28,6 +33,8 @@ MIXED = [
     dict(max_post_steps=1, stop_at_eos=False),
     dict(max_post_steps=3, early_commit=0.7),
 ]
+
+
 LEV_MIXED = [
     dict(max_post_steps=2, tau_delete=0.3, tau_insert=0.3, max_lev_edits=1),
     dict(tau_edit=None, max_post_steps=1, tau_delete=0.3),

@@ -3,22 +3,22 @@ block routing, the compiled step, and all of them together), admits sequences in
 their tokens, never rewrites a turn the environment already saw, and lets the process exit past a hung env.step.
 
 The reference for a turn is the single-turn engine on that turn's context (prompt, earlier turns and
-observations), with the same settings: a turn is a single-turn rollout whose prompt is its context.
-"""
+observations), with the same settings: a turn is a single-turn rollout whose prompt is its context."""
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-from conftest import make_model
 
 import rollout.compiled as compiled
+from conftest import make_model
 from ebpo.core.turns import leaking_blocks
 from ebpo.model.loading import load_model_tokenizer
 from rollout.config import DecodeConfig
 from rollout.decoder import generate
 from rollout.multiturn import MultiTurnConfig, generate_multiturn
+
 
 PROMPTS = [[0, 11, 12], [0] + list(range(20, 27)), [0] + list(range(30, 42)), [0, 50, 51, 52, 53]]
 

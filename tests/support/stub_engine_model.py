@@ -1,5 +1,5 @@
 """A stub model for fast tests of the rollout engine, and a plain-Python reference decoder written from
-docs/decoding.md for it (issue 40's mutation runs of rollout/engine.py and rollout/decoder.py).
+docs/decoding.md for it (the fast tests of rollout/engine.py and rollout/decoder.py).
 
 The stub has the call signature the engine uses (`model(input_ids, attention_mask=keep, position_ids=...,
 cache=..., cache_rows=..., return_logits=False, token_mask=...)` -> `.last_hidden_state`, then `lm_head`), and

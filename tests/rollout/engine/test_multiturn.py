@@ -1,14 +1,12 @@
-"""The rollout engine's multi-turn rollouts (turn ends, observations, budgets, environment failures, timeouts,
-pausing while a sequence waits), its default step runner, and the compiled step's bookkeeping seen through a
-recording stand-in, against the plain-Python references of tests/rollout/stub_engine_model.py (split from
-test_engine_mut40.py, whose helpers it shares; issue 40's mutation run of rollout/engine.py)."""
+"""The rollout engine's multi-turn rollouts (turn ends, observations, budgets, environment failures, timeouts, pausing
+while a sequence waits), its default step runner, and the compiled step's bookkeeping seen through a recording
+stand-in, against the plain-Python references of tests/support/stub_engine_model.py (split from test_rules.py, whose
+helpers it shares)."""
 import concurrent.futures
 import pickle
 
 import pytest
 import torch
-from stub_engine_model import MASK, StubModel, StubTokenizer, ref_multiturn, ref_output, ref_single
-from test_engine_mut40 import K, PROMPTS, _cfg, _run_engine, _stub
 
 import rollout.runners as runners
 import rollout.static_slots as static_slots
@@ -17,6 +15,8 @@ from rollout.env_steps import StepRunner
 from rollout.multiturn import MultiTurnConfig, TurnDriver
 from rollout.runner import EagerRunner
 from rollout.sequence import FINISHED, WAITING
+from .test_rules import K, PROMPTS, _cfg, _run_engine, _stub
+from tests.support.stub_engine_model import MASK, StubModel, StubTokenizer, ref_multiturn, ref_output, ref_single
 
 
 class SyncRunner:

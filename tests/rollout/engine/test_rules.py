@@ -1,23 +1,28 @@
-"""The rollout engine (`rollout.engine.Engine`) against a plain-Python reference decoder, driven by a stub model
-whose logits are a function of what each position attends (tests/rollout/stub_engine_model.py): block by
-block draft-and-edit decoding with every documented rule (M2T with its fallback, T2T, post-steps, the forward
-cap, early commit, DELETE / INSERT, Multi-Block Editing, EOS, per-row max_new_tokens), continuous batching
-(admission into freed slots, the forward counts), the per-forward events, weight versions and the MBE window
-they bound, drain / export / adopt. Multi-turn rollouts and the compiled step's bookkeeping are in
-test_engine_multiturn_mut40.py. Each test runs in well under a second (issue 40's mutation run of
-rollout/engine.py)."""
+"""The rollout engine (`rollout.engine.Engine`) against a plain-Python reference decoder, driven by a stub model whose
+logits are a function of what each position attends (tests/support/stub_engine_model.py): block by block
+draft-and-edit decoding with every documented rule (M2T with its fallback, T2T, post-steps, the forward cap, early
+commit, DELETE / INSERT, Multi-Block Editing, EOS, per-row max_new_tokens), continuous batching (admission into
+freed slots, the forward counts), the per-forward events, weight versions and the MBE window they bound, drain /
+export / adopt. Multi-turn rollouts and the compiled step's bookkeeping are in test_multiturn.py of this folder.
+Each test runs in well under a second."""
 import re
 
 import pytest
-from stub_engine_model import (EOS, MASK, StubModel, ref_single)
 
 from rollout import DecodeConfig
 from rollout.engine import Engine, eos_ids_of
 from rollout.sequence import DECODING, FINISHED, QUEUED
+from tests.support.stub_engine_model import EOS, MASK, StubModel, ref_single
+
 
 K = 4
+
+
 PROMPTS = [[3, 4, 5], [], [5, 6, 7, 8, 9, 3], [0] * 9, [7, 7, 7, 7]]
+
+
 MAX_NEW = [5, 8, 3, 11, 6]
+
 
 CASES = {
     "quality": dict(max_post_steps=2),

@@ -2,17 +2,17 @@
 an engine holding new weights (`export` / `adopt`), continue. The rule under test: each block is decoded under
 one weight version, and a block's tokens are exactly what that version decodes given the blocks before it.
 
-The reference is the independent plain loop of decode_reference.py, run in two parts: the first model for the
-blocks the first engine decoded, then the second model with everything decoded so far as its prompt.
-"""
+The reference is the independent plain loop of tests/support/decode_reference.py, run in two parts: the first model for the
+blocks the first engine decoded, then the second model with everything decoded so far as its prompt."""
 import pytest
 import torch
 
 from conftest import make_model
-from decode_reference import reference_decode
 from rollout import DecodeConfig
 from rollout.engine import Engine
 from rollout.sequence import FINISHED
+from tests.support.decode_reference import reference_decode
+
 
 PROMPTS = [[0, 11], [0] + list(range(20, 27)), [0] + list(range(30, 42)), [0] + list(range(50, 65)), [0, 5, 6]]
 
