@@ -335,7 +335,7 @@ def bounded_server():
     driver.close()
 
 
-def test_a_request_beyond_the_bound_on_sequences_gets_a_429(bounded_server):
+def test_a_request_beyond_the_bound_on_sequences_is_refused_as_too_many_requests(bounded_server):
     service, driver, live = bounded_server
     client = openai.OpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=120)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
