@@ -198,29 +198,42 @@ class Engine:
             self.runner.load(s, reloaded)
             reloaded.append(s)
 
-    def export(self) -> list[Sequence]:
-        """After `drain`: every unfinished sequence (active ones with their canvas and trace copied out, and
-        the queued ones), released from this engine; `adopt` continues them in another engine."""
+    def export(self, keep_slots: bool = False) -> list[Sequence]:
+        """After `drain`: every unfinished sequence, with its canvas and trace copied out (active ones at their block
+        boundaries, then the queued ones). By default they are released from this engine and `adopt` continues
+        them in any engine. With `keep_slots`, the active ones stay in their slots, keys/values and all, but are
+        held: no forward moves them until `adopt` here takes them back (a weight swap meanwhile recomputes their
+        keys/values, `set_version`). Queued ones always leave."""
         out = []
         for s in list(self.active):
             if s.status == FINISHED:
                 continue
             s.canvas, s.trace = self.runner.copy_out(s, self.T)
+            out.append(s)
+            if keep_slots:
+                s.held = True
+                continue
             self.runner.free(s)
             self.active.remove(s)
             self.free.append(s.slot)
-            s.slot = None
-            out.append(s)
+            s.slot, s.held = None, False
         self.free.sort()
         self.paused = deque(s for s in self.paused if s.slot is not None)
         out += list(self.queue)
         self.queue.clear()
+        gone = {id(s) for s in out if s.slot is None}
+        self.sequences = [s for s in self.sequences if id(s) not in gone]
         return out
 
     def adopt(self, s: Sequence) -> Sequence:
-        """Continue a sequence exported by another engine (`export`) at its block boundary, under this
-        engine's weights: its keys/values are recomputed from position 0 by its next forward (exactly what the
-        block's conditional under the new version needs). Queued sequences are queued again."""
+        """Continue a sequence at its block boundary: one this engine holds (`export(keep_slots=True)`) moves
+        again with its keys/values; one exported by another engine (`export`) takes a slot under this engine's
+        weights, its keys/values recomputed from position 0 by its next forward (exactly what the block's
+        conditional under the new version needs). Queued sequences are queued again."""
+        if resident(self, s):
+            s.held = False
+            self.runner.reset_block(s)
+            return s
         if s.status != QUEUED:  # refuse before recording it: a refused sequence is not this engine's
             sid = self.next_id
             if not s.at_block_boundary:
@@ -229,12 +242,13 @@ class Engine:
                 raise ValueError(f"Engine.adopt: sequence {sid} holds {len(s.canvas)} positions, the canvas {self.T}")
             if not self.free:
                 raise ValueError("Engine.adopt: no free slot (adopt before submitting new sequences)")
-        s.id = self.next_id
+        s.id, s.held = self.next_id, False
         self.next_id += 1
         if s.cfg is None:
             s.cfg = self.cfg
         self.sequences.append(s)
         if s.status == QUEUED:
+            s.slot = None
             self.queue.append(s)
             return s
         s.slot = self.free.pop(0)
@@ -281,6 +295,11 @@ class Engine:
             end = s.num_blocks * self.K
             ev.canvas = s.canvas[:end] if ev.finished else self.runner.read(s, 0, end)
             self.on_step(ev)
+
+
+def resident(engine: Engine, s: Sequence) -> bool:
+    """`s` is held in one of `engine`'s slots (`Engine.export(keep_slots=True)`), not a copy from elsewhere."""
+    return s.held and s.slot is not None and any(x is s for x in engine.active)
 
 
 def _model_lev_ids(mcfg) -> tuple[int, int] | None:

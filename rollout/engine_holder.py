@@ -22,13 +22,17 @@ class EngineHolder:
 
     def get(self, cfg, *, canvas_len: int, max_batch: int, on_step=None, progress: bool = False) -> Engine:
         """The engine for a call decoding with `cfg` (its default settings for this call), at least `canvas_len`
-        positions per slot and `max_batch` slots. It holds no unfinished sequence of an earlier call."""
+        positions per slot and `max_batch` slots. The only unfinished sequences of earlier calls it may hold are
+        those a client keeps in their slots (`Engine.export(keep_slots=True)`, partial rollouts): no forward moves
+        them. When the engine must be rebuilt, they are exported from the old one and adopted anew by their client."""
         e = self.engine
         K = cfg.block_size or self.model.config.block_size
         fixed = (K, cfg.use_cache, cfg.compiled_step)
         if e is None or (e.K, e.cfg.use_cache, e.cfg.compiled_step) != fixed or e.T < canvas_len \
                 or e.max_batch < max_batch or (cfg.compiled_step and _step_settings(e.cfg) != _step_settings(cfg)):
             grow = e is not None and (e.K, e.cfg.use_cache, e.cfg.compiled_step) == fixed
+            if e is not None:
+                e.export()  # sequences it held for their client (partial rollouts) leave with their tokens
             e = Engine(self.model, cfg, max_batch=max(max_batch, e.max_batch if grow else 0),
                        canvas_len=max(canvas_len, e.T if grow else 0), version=self.version)
             self.engine, self.rebuilds = e, self.rebuilds + 1

@@ -3,7 +3,9 @@
 `PartialRollouts.collect` runs one step's worth of decoding: it takes the sequences carried over from earlier
 steps (each stopped at a block boundary), the step's new prompts, and the weights of `version`; it decodes
 until `quota` prompt groups are complete, then stops every other sequence at its next block boundary
-(`Engine.drain`) and keeps it for the next call. Each block records the version that decoded it, so the
+(`Engine.drain`) and keeps it for the next call: in its slot of the worker's long-lived engine, held there with its
+keys/values (`Engine.export(keep_slots=True)`), or as host state when the call had an engine of its own. A
+checkpoint (`state`) holds the host state, which any engine adopts. Each block records the version that decoded it, so the
 learner's behaviour term of a block is that version's conditional, exactly (docs/ebpo.md).
 
 What a call returns is decided by the decoding alone (the engine's forwards are a deterministic function of
@@ -22,6 +24,7 @@ import torch
 
 from ebpo.core.turns import round_up
 
+from .engine import resident
 from .engine_holder import EngineHolder
 from .multiturn import TurnDriver
 from .sequence import FINISHED, QUEUED, Sequence
@@ -74,34 +77,41 @@ class PartialRollouts:
         sequences at once); min_version: drop carried sequences whose oldest block is older; due_version: a group
         holding a sequence whose oldest block is older is overdue (None: none is); mt / tokenizer / runner:
         multi-turn (`rollout.multiturn`); engines: an `EngineHolder` whose long-lived engine decodes the call (a
-        rollout worker's; the carried sequences wait between calls exported at their block boundaries).
+        rollout worker's): the carried sequences wait between calls in its slots, held at their block boundaries
+        with their keys/values, which a weight swap recomputes (without one, the call's own engine decodes and
+        the carried sequences wait as host state, re-adopted by the next call's engine).
         """
         stats = CollectStats()
         self.dropped_tags = set()
         K = cfg.block_size or model.config.block_size
-        self._drop_stale(min_version, stats, K)
+        slots = max_batch if max_batch > 0 else max(1, len(self.carried) + len(new))  # 0: everything at once
+        engine = (engines or EngineHolder(model)).get(cfg, canvas_len=self._canvas_len(cfg, mt, new, K), max_batch=slots)
+        self._drop_stale(min_version, stats, K, engine)
         due = self._tags_older_than(due_version)
         for s in new:
             self.group_sizes[s.tag] = self.group_sizes.get(s.tag, 0) + 1
-        slots = max_batch if max_batch > 0 else max(1, len(self.carried) + len(new))  # 0: everything at once
-        engine = (engines or EngineHolder(model)).get(cfg, canvas_len=self._canvas_len(cfg, mt, new, K), max_batch=slots)
         if engine.version != version:
-            engine.set_version(version)  # nothing is decoding: the previous call exported every sequence
+            engine.set_version(version)  # nothing is decoding: sequences kept here are at block boundaries
         # multi-turn sequences go through their client, the turn driver (environments, observations)
         client = engine if mt is None else TurnDriver(tokenizer=tokenizer, mt=mt, engine=engine, env_runner=runner)
         forwards0 = engine.num_forwards
         before = {id(s): set(s.block_versions) for s in self.carried + self.done}  # decoded in earlier calls
         stats.carried_in = len(self.carried)
-        # overdue ones take slots first (the step waits for them), then the active ones
-        for s in sorted(self.carried, key=lambda s: (s.tag not in due, s.status == QUEUED)):
+        # overdue ones take slots first (the step waits for them), then the active ones; the call's sequences in
+        # this order decide which of those finishing in one forward completes its group first
+        order = sorted(self.carried, key=lambda s: (s.tag not in due, s.status == QUEUED))
+        for s in order:
             client.adopt(s)
         for s in new:
             seq = client.submit(s.prompt, s.generator, env=s.env)
             seq.tag = s.tag
-        complete, note_finished = self._complete_groups(client, quota, due)
+            order.append(seq)
+        complete, note_finished = self._complete_groups(order, client, quota, due)
         client.drain()
         note_finished()  # sequences that ended while draining wait in `done` for their group
-        self.carried = engine.export()
+        # a worker's long-lived engine keeps the unfinished ones in their slots (keys/values and all) for the next
+        # call; a call's own engine lets them go
+        self.carried = engine.export(keep_slots=engines is not None)
         engine.forget_finished()
         stats.carried_out = len(self.carried)
         stats.forwards = engine.num_forwards - forwards0
@@ -118,8 +128,9 @@ class PartialRollouts:
             stats.carried_tokens += old
         return out, stats
 
-    def _complete_groups(self, engine, quota: int, due: set = frozenset()):
-        """Step `engine` until `quota` groups and every group in `due` are complete (or nothing is left);
+    def _complete_groups(self, order: list, engine, quota: int, due: set = frozenset()):
+        """Step `engine` until `quota` groups and every group in `due` are complete (or nothing is left), looking
+        at the call's sequences in `order`;
         returns the first `quota` completed groups' tags in completion order followed by the `due` ones beyond
         them, and the function that moves newly finished sequences to `self.done` (call it again after
         draining)."""
@@ -134,7 +145,7 @@ class PartialRollouts:
         waiting = set(due) - set(complete)  # overdue groups not yet complete
 
         def enough() -> bool:
-            for s in engine.sequences:
+            for s in order:
                 if s.status == FINISHED and id(s) not in counted:
                     counted.add(id(s))
                     self.done.append(s)
@@ -155,8 +166,9 @@ class PartialRollouts:
         return {s.tag for s in self.carried + self.done
                 if s.oldest_version() is not None and s.oldest_version() < version}
 
-    def _drop_stale(self, min_version: int | None, stats: CollectStats, K: int) -> None:
-        """Drop (and count) every group holding a sequence whose oldest block is older than `min_version`."""
+    def _drop_stale(self, min_version: int | None, stats: CollectStats, K: int, engine) -> None:
+        """Drop (and count) every group holding a sequence whose oldest block is older than `min_version`; those
+        `engine` holds in their slots leave them."""
         if min_version is None:
             return
         stale = self._tags_older_than(min_version)
@@ -166,6 +178,8 @@ class PartialRollouts:
                 stats.dropped += 1
                 stats.dropped_tokens += decoded_tokens(s, K)[0]
                 close_env(s.env)
+                if resident(engine, s):
+                    engine.end(s, "dropped")
         self.carried = [s for s in self.carried if s.tag not in stale]
         self.done = [s for s in self.done if s.tag not in stale]
         for tag in stale:

@@ -66,6 +66,9 @@ class Sequence:
     prefix_source: object = None  # a live sequence with the same prompt blocks whose keys/values it will copy
     turn_rule: object = None  # multi-turn: the client's rule, tokens of the turn -> (reason it is over or None, text)
     pause: tuple | None = None  # (reason, text) of the turn that paused the sequence (WAITING) for its client
+    # kept in its slot between calls at a block boundary (`Engine.export(keep_slots=True)`): no forward moves it
+    # until its client takes it back (`Engine.adopt`)
+    held: bool = False
     # copied out of the slot when the sequence finishes (or is exported at a block boundary)
     canvas: list[int] = field(default_factory=list)
     trace: list[int] = field(default_factory=list)
@@ -102,7 +105,7 @@ class Sequence:
     @property
     def ready(self) -> bool:
         """Takes part in the next forward."""
-        return self.status in (DECODING, MBE)
+        return self.status in (DECODING, MBE) and not self.held
 
     @property
     def at_block_boundary(self) -> bool:
