@@ -159,8 +159,12 @@ class RolloutWorker:
         return state
 
     def restore_partial(self, state: dict | None) -> None:
+        """Continue from a `partial_state` (None: no partial rollouts in flight); sequences the worker's engine
+        held for the state it replaces are released."""
         from .partial import PartialRollouts
 
+        if self.engines is not None and self.engines.engine is not None:
+            self.engines.engine.export()  # what the engine held for the replaced state leaves its slots
         self.partial = None if state is None else PartialRollouts.from_state(state)
 
     def _engines(self):

@@ -317,6 +317,15 @@ def test_partial_state_leaves_out_groups_that_do_not_pickle(loads):
     assert w.partial is None
 
 
+def test_restoring_a_state_releases_what_the_engine_held_for_the_old_one(loads):
+    w = RolloutWorker("m", {})
+    w.restore_partial(None)  # no engine yet: nothing to release
+    exported = []
+    w.engines = SimpleNamespace(engine=SimpleNamespace(export=lambda: exported.append(1) or []))
+    w.restore_partial({"group_sizes": {}, "carried": [], "done": []})
+    assert exported == [1] and w.partial.carried == []
+
+
 class FakeGroup:
     made = []
 
