@@ -1,4 +1,4 @@
-"""Multi-turn rules that no happy-path test pins (issue 40), written against the public API only
+"""Multi-turn rules that no happy-path test pins, written against the public API only
 (`generate_multiturn`, `run_episodes`, `MultiTurnConfig`, the `Trajectory` / `TurnRecord` records), so that they
 hold for any engine behind it:
 

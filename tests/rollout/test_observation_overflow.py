@@ -1,5 +1,5 @@
 """A tool result too long for what is left of `max_total_tokens` ends the trajectory with its own named,
-counted stop reason, `observation_overflow` (issue 39 papercut): with the agent quickstart's limits, a tool
+counted stop reason, `observation_overflow`: with the agent quickstart's limits, a tool
 result at `Tool.max_chars`' default (2,000 characters) cannot fit."""
 import pytest
 
