@@ -219,7 +219,9 @@ def main() -> int:
         configure(work, modules, all_tests, shlex.split(a.pytest_args), a.timeout_multiplier)
         t0 = time.monotonic()
         env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-        rc = subprocess.run(["mutmut", "run", "--max-children", str(a.jobs), *(a.only or [])], cwd=work,
+        # scripts/mutmut_run.py: mutmut run, robust to the code reward sandbox's reaped orphans
+        rc = subprocess.run([sys.executable, str(ROOT / "scripts" / "mutmut_run.py"), "run", "--max-children",
+                             str(a.jobs), *(a.only or [])], cwd=work,
                             env=env).returncode
         minutes = (time.monotonic() - t0) / 60
         if rc not in (0, 1):
