@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_model
+from tests.support.models import decoding_lm as make_model  # conftest.make_model; importable beside tests/serve
 
 import rollout.compiled as compiled
 from rollout import DecodeConfig, generate

@@ -11,7 +11,7 @@
 import pytest
 import torch
 import torch._dynamo as dynamo
-from conftest import make_model
+from tests.support.models import decoding_lm as make_model  # conftest.make_model; importable beside tests/serve
 from torch._dynamo.utils import counters
 
 import rollout.compiled as compiled

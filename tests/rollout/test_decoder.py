@@ -9,7 +9,7 @@ tests each run in well under a second."""
 import pytest
 import torch
 
-from conftest import make_model
+from tests.support.models import decoding_lm as make_model  # conftest.make_model; importable beside tests/serve
 from rollout import DecodeConfig, generate
 from rollout.decoder import GenerationOutput
 from tests.support.decode_reference import reference_decode

@@ -4,7 +4,7 @@ cache-independent and batch-independent with shifts."""
 import pytest
 import torch
 
-from conftest import make_model
+from tests.support.models import decoding_lm as make_model  # conftest.make_model; importable beside tests/serve
 from tests.support.decode_reference import reference_decode
 from rollout import DecodeConfig, generate
 

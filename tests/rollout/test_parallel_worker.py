@@ -8,7 +8,7 @@ thresholds, see tests/rollout/test_parallel_runner.py); prompts are never empty.
 from __future__ import annotations
 
 import pytest
-from conftest import make_model
+from tests.support.models import decoding_lm as make_model  # conftest.make_model; importable beside tests/serve
 
 from rollout.parallel_worker import ParallelRolloutWorker
 from rollout.worker import RolloutWorker

@@ -4,7 +4,7 @@ import pickle
 
 import torch
 
-from conftest import make_model
+from tests.support.models import decoding_lm as make_model  # conftest.make_model; importable beside tests/serve
 from rollout import DecodeConfig, generate
 from rollout.decoder import _output
 from rollout.engine import eos_ids_of

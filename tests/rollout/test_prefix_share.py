@@ -7,7 +7,7 @@ the plain decoder of tests/support/stub_engine_model.py, each sequence alone.
 """
 import pytest
 import torch
-from conftest import make_model
+from tests.support.models import decoding_lm as make_model  # conftest.make_model; importable beside tests/serve
 from tests.support.stub_engine_model import StubModel, ref_single
 
 from rollout import DecodeConfig, generate

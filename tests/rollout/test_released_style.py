@@ -2,7 +2,7 @@
 (one prompt at a time, no cache, full logits: only the organisation of the work differs)."""
 import pytest
 import torch
-from conftest import make_model
+from tests.support.models import decoding_lm as make_model  # conftest.make_model; importable beside tests/serve
 
 from ebpo.bench.released import released_style_generate
 from rollout import DecodeConfig, generate

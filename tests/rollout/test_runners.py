@@ -4,7 +4,7 @@ built for the engine's slots, canvas, block size and token ids."""
 import pytest
 
 import rollout.compiled as compiled
-from conftest import make_model
+from tests.support.models import decoding_lm as make_model  # conftest.make_model; importable beside tests/serve
 from ebpo.model.parallel import build_parallel_model
 from rollout.config import DecodeConfig
 from rollout.parallel_runner import ParallelRunner

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rollout.compiled as compiled
-from conftest import make_model
+from tests.support.models import decoding_lm as make_model  # conftest.make_model; importable beside tests/serve
 from ebpo.core.turns import leaking_blocks
 from ebpo.model.loading import load_model_tokenizer
 from rollout.config import DecodeConfig

@@ -7,7 +7,7 @@ blocks the first engine decoded, then the second model with everything decoded s
 import pytest
 import torch
 
-from conftest import make_model
+from tests.support.models import decoding_lm as make_model  # conftest.make_model; importable beside tests/serve
 from rollout import DecodeConfig
 from rollout.engine import Engine
 from rollout.sequence import FINISHED

@@ -7,7 +7,7 @@ for the sampled ones on the tiny model (a sequence's draws come from its own gen
 import pytest
 import torch
 
-from conftest import make_model
+from tests.support.models import decoding_lm as make_model  # conftest.make_model; importable beside tests/serve
 from rollout import DecodeConfig, generate
 from rollout.engine import Engine
 from rollout.sequence import FINISHED, QUEUED
