@@ -108,6 +108,7 @@ def test_a_submission_gives_the_tokens_generate_gives_and_leaves_nothing_behind(
                                 (GREEDY, GREEDY, DecodeConfig.preset("speed", max_new_tokens=12)), (8, 4, 12)):
             alone = generate(small, [p], cfg.replace(max_new_tokens=n))[0].token_ids
             assert s.prompt == p and s.canvas[len(p):len(p) + len(alone)] == alone
+            assert s.max_new == n  # the call's own length, else its config's
         assert driver.num_forwards == driver.engine.num_forwards > 0
         assert driver.row_forwards == driver.engine.row_forwards >= driver.num_forwards
         assert driver.pending == {} and driver.watched == {}
@@ -115,7 +116,84 @@ def test_a_submission_gives_the_tokens_generate_gives_and_leaves_nothing_behind(
         assert driver.error is None
     finally:
         driver.close()
-    assert not driver._thread.is_alive()
+    assert not driver._thread.is_alive() and driver._thread.daemon  # a daemon: it never holds the process
+
+
+def test_sampled_requests_use_their_own_generators(small):
+    """temperature > 0: each request samples with the generator it brought, so its tokens are those of `generate`
+    with that seed, whatever else decodes beside it."""
+    cfg = DecodeConfig.preset("quality", max_new_tokens=12, temperature=1.0, stop_at_eos=False)
+    driver = EngineDriver(small, None, max_batch=4, max_len=32).start()
+    try:
+        futs = [driver.submit([5, 6, 7], cfg, torch.Generator().manual_seed(seed)) for seed in (1, 2, 1)]
+        _finish(futs)
+    finally:
+        driver.close()
+    for f, seed in zip(futs, (1, 2, 1)):
+        alone = generate(small, [[5, 6, 7]], cfg, seeds=[seed])[0].token_ids
+        assert f.result().canvas[3:3 + len(alone)] == alone
+
+
+def test_the_defaults_of_the_signature(small):
+    d = EngineDriver(small, None)
+    assert (d.max_batch, d.max_len, d.engine.max_batch, d.turns, d.error) == (16, 1024, 16, None, None)
+
+
+def test_an_idle_driver_waits_on_its_inbox_and_a_busy_one_does_not(small):
+    """Idle: the loop waits up to 0.1 s for a submission (no busy spinning); decoding: it never waits between
+    steps (the inbox is only peeked)."""
+    driver = EngineDriver(small, None, max_batch=2, max_len=160)
+    calls = []
+    step = driver.engine.step
+
+    def counted():
+        calls.append(time.monotonic())
+        return step()
+
+    driver.engine.step = counted
+    driver.start()
+    try:
+        time.sleep(0.6)
+        idle = len(calls)
+        cfg = DecodeConfig.preset("m2t", tau_mask=0.0, max_new_tokens=120, stop_at_eos=False)
+        t0 = time.monotonic()
+        fut = driver.submit([5, 6, 7], cfg)
+        _finish([fut])
+        busy = [t for t in calls if t >= t0]
+        took = time.monotonic() - t0
+    finally:
+        driver.close()
+    assert idle <= 12, idle  # about one step per 0.1 s wait
+    assert len(busy) >= 30 and took < 0.1 * len(busy), (len(busy), took)  # no 0.1 s wait per step
+
+
+class _HeldForward(torch.nn.Module):
+    """Delegates to `model` once `free` is set: until then a forward (and the driver thread in it) hangs."""
+
+    def __init__(self, model):
+        super().__init__()
+        import threading
+
+        self.inner, self.config, self.free = model, model.config, threading.Event()
+        self.lm_head = model.lm_head
+
+    def forward(self, *a, **kw):
+        self.free.wait(30)
+        return self.inner(*a, **kw)
+
+
+def test_close_gives_up_on_a_stuck_thread_after_its_timeout(small):
+    held = _HeldForward(small)
+    driver = EngineDriver(held, None, max_batch=1, max_len=16).start()
+    try:
+        driver.submit([5, 6], GREEDY)
+        time.sleep(0.3)  # the driver thread is inside the held forward
+        t0 = time.monotonic()
+        driver.close(timeout=0.3)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        held.free.set()
+    driver._thread.join(30)
 
 
 def test_a_prompt_the_engine_refuses_fails_its_future_only(small):
@@ -200,7 +278,7 @@ def test_on_block_reports_only_committed_blocks_in_order(small, window):
 
     driver = EngineDriver(small, None, max_batch=2, max_len=64).start()
     try:
-        prompt = [5, 6, 7, 8, 9, 10]  # 6 tokens: the first block is shared by prompt and answer
+        prompt = list(range(5, 12 - window))  # 7 or 6 tokens: the first block is shared by prompt and answer
         fut = driver.submit(prompt, cfg, torch.Generator().manual_seed(3), on_block=on_block)
         _finish([fut])
     finally:
@@ -211,6 +289,8 @@ def test_on_block_reports_only_committed_blocks_in_order(small, window):
     assert reports, "nothing was streamed"
     lens = [len(t) for _, t in reports]
     assert lens == sorted(set(lens)) and lens[0] > 0
+    if window == 0:  # the first report: the answer's part of the first block (one token for a 7-token prompt)
+        assert lens[0] == K - len(prompt) % K
     for block, toks in reports:
         assert toks == final[:len(toks)]
         assert len(prompt) + len(toks) == (block - window) * K
