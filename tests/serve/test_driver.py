@@ -100,12 +100,13 @@ def _finish(futures, timeout=60):
 def test_a_submission_gives_the_tokens_generate_gives_and_leaves_nothing_behind(small):
     driver = EngineDriver(small, None, max_batch=2, max_len=32).start()
     try:
+        # three requests for two slots: the third waits for a freed one
         futs = [driver.submit([5, 6, 7], GREEDY), driver.submit([9, 10], GREEDY, max_new_tokens=4),
-                driver.submit((11, 12, 13, 14), DecodeConfig.preset("speed", max_new_tokens=12))]
+                driver.submit((11, 12, 13, 14), GREEDY.replace(tau_mask=0.5, max_new_tokens=12))]
         _finish(futs)
         seqs = [f.result() for f in futs]
         for s, p, cfg, n in zip(seqs, ([5, 6, 7], [9, 10], [11, 12, 13, 14]),
-                                (GREEDY, GREEDY, DecodeConfig.preset("speed", max_new_tokens=12)), (8, 4, 12)):
+                                (GREEDY, GREEDY, GREEDY.replace(tau_mask=0.5)), (8, 4, 12)):
             alone = generate(small, [p], cfg.replace(max_new_tokens=n))[0].token_ids
             assert s.prompt == p and s.canvas[len(p):len(p) + len(alone)] == alone
             assert s.max_new == n  # the call's own length, else its config's
