@@ -68,3 +68,18 @@ def test_an_import_failure_names_the_agent_not_a_reward(tmp_path):
     assert isinstance(e.value, ValueError)
     with pytest.raises(AgentLoadError, match="^agent 'no_such_pkg_xyz:agent': importing module 'no_such_pkg_xyz'"):
         load_agent("no_such_pkg_xyz:agent")
+
+
+def test_the_function_name_is_after_the_last_colon(tmp_path):
+    folder = tmp_path / "run:1"  # a colon in the path: only the last one separates the function's name
+    folder.mkdir()
+    (folder / "a.py").write_text(AGENTS)
+    fn = load_agent(f"{folder}/a.py:agent", {"bonus": 1.0})
+    assert asyncio.run(fn("c", "r"))["bonus"] == 1.0
+
+
+def test_only_the_loaders_word_reward_becomes_agent(tmp_path):
+    ref = f"{tmp_path}/reward_agents/absent.py:agent"  # "reward" in the path stays as it is
+    with pytest.raises(AgentLoadError) as e:
+        load_agent(ref)
+    assert str(e.value) == f"agent {ref!r}: file '{tmp_path}/reward_agents/absent.py' does not exist"
