@@ -160,7 +160,7 @@ class Engine:
         ready: every unfinished sequence, if any, is paused for its client)."""
         if not self.holding:
             self._admit()
-        waiting_prefix = [s for s in self.active if self.runner.waits_for_prefix(s)]
+        waiting_prefix = [s for s in self.active if not s.held and self.runner.waits_for_prefix(s)]
         ready = [s for s in self.active if s.ready and not (self.holding and s.at_block_boundary)
                  and s not in waiting_prefix]
         if not ready:

@@ -44,7 +44,7 @@ def claim(s, active: list, cache, K: int) -> None:
 
 def settle(s, cache, K: int) -> bool:
     """Resolve a waiting `s`: copy when its source's row holds the prompt blocks; give up (compute them itself)
-    when the source left. Returns True while `s` still waits."""
+    when the source left, or is held (`Sequence.held`) without them. Returns True while `s` still waits."""
     src = s.prefix_source
     if src is None:
         return False
@@ -54,6 +54,9 @@ def settle(s, cache, K: int) -> bool:
         return False
     if cache.lengths[src.slot] >= n:
         cache.copy_prefix(src.slot, s.slot, n)
+        s.prefix_source = None
+        return False
+    if src.held:  # held between its client's calls: it computes nothing until taken back
         s.prefix_source = None
         return False
     return True

@@ -502,3 +502,27 @@ def test_held_sequences_keep_their_keys_and_values_while_the_weights_stay():
     swapped, n_swap = run(True, [0, 1])
     assert n_swap[1] >= n_swap[0] + 2 * K + 1  # the weight swap recomputed the held prompt
     assert swapped[1][2] != held[1][2]  # its later blocks were decoded under version 1
+
+
+def test_another_call_on_the_engine_never_waits_for_a_held_sequence():
+    """A sequence held between calls (its keys dropped by a weight swap) is no prefix source anyone waits for: a
+    new sequence with the same prompt, decoded by another client of the engine meanwhile, computes the prompt
+    itself and finishes; the held one stays held."""
+    from rollout.engine_holder import EngineHolder
+
+    cfg = DecodeConfig.preset("m2t", max_new_tokens=6 * K, stop_at_eos=False)
+    model, part = StubLM(RULE), PartialRollouts()
+    engines = EngineHolder(model)
+    reqs = [(_prompt(0, 2 * K), "a"), (_prompt(1, 2 * K + 1), "b")]
+    part.collect(model, cfg, [NewSequence(p, None, t) for p, t in reqs], 1, 0, max_batch=2, engines=engines)
+    (held,) = part.carried
+    for swap in (False, True):  # its keys kept, then dropped by a weight swap
+        if swap:
+            model.version = 1
+            engines.set_version(1)
+        e = engines.engine
+        other = e.submit(list(held.prompt), None, max_new_tokens=K)
+        for _ in range(50):
+            if not e.step():
+                break
+        assert other.status == "finished" and held.held and held.status != "finished"
