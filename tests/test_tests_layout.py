@@ -65,10 +65,7 @@ EXEMPT = {
 
 # test folders whose file names, test names and docstrings may still carry work-item numbers, with why
 # (one-line re-exports of tests/support/stub_lm.py, kept while tests/rollout/test_static_slots.py imports them)
-NAMES_EXEMPT = {
-    "tests/rollout/stub_model_mt40.py": "re-export of tests/support/stub_lm.py for test_static_slots.py",
-    "tests/rollout/test_engine_details_mt40.py": "re-export of stub_lm.exported_at_a_boundary for test_static_slots.py",
-}
+NAMES_EXEMPT: dict[str, str] = {}
 
 WORK_ITEM_FILE = re.compile(r"_(mut|mt|dev)?\d+\.py$")  # test_engine_mut40.py, test_judge_40.py
 WORK_ITEM_TEST = re.compile(r"(^|_)issue_?\d+|_(mut|mt|dev)\d+(_|$)|_\d{2,}$")  # test_x_40, test_issue_35_y
