@@ -63,8 +63,7 @@ EXEMPT = {
     "kernels/fp8_triton.py": "tests/kernels/test_kernels_gpu.py (GPU) and test_kernels_triton_interpret.py",
 }
 
-# test folders whose file names, test names and docstrings may still carry work-item numbers, with why
-# (one-line re-exports of tests/support/stub_lm.py, kept while tests/rollout/test_static_slots.py imports them)
+# test files or folders whose file names, test names and docstrings may carry work-item numbers, with why (none)
 NAMES_EXEMPT: dict[str, str] = {}
 
 WORK_ITEM_FILE = re.compile(r"_(mut|mt|dev)?\d+\.py$")  # test_engine_mut40.py, test_judge_40.py
