@@ -191,19 +191,19 @@ class Engine:
         if any(s.ready and not s.at_block_boundary for s in self.active):
             raise ValueError("Engine.set_version: drain() first (a block must not see two versions)")
         self.version = int(version)
-        for s in self.active:
+        live = [s for s in self.active if not s.held]  # held ones are recomputed when their client takes them back
+        for s in live:
             s.canvas, s.trace = self.runner.copy_out(s, self.T)
         reloaded: list[Sequence] = []
-        for s in self.active:
+        for s in live:
             self.runner.load(s, reloaded)
             reloaded.append(s)
 
     def export(self, keep_slots: bool = False) -> list[Sequence]:
         """After `drain`: every unfinished sequence, with its canvas and trace copied out (active ones at their block
         boundaries, then the queued ones). By default they are released from this engine and `adopt` continues
-        them in any engine. With `keep_slots`, the active ones stay in their slots, keys/values and all, but are
-        held: no forward moves them until `adopt` here takes them back (a weight swap meanwhile recomputes their
-        keys/values, `set_version`). Queued ones always leave."""
+        them in any engine. With `keep_slots`, the active ones stay in their slots but are held: no forward moves
+        them and no other sequence waits for them until `adopt` here takes them back. Queued ones always leave."""
         out = []
         for s in list(self.active):
             if s.status == FINISHED:
@@ -226,13 +226,17 @@ class Engine:
         return out
 
     def adopt(self, s: Sequence) -> Sequence:
-        """Continue a sequence at its block boundary: one this engine holds (`export(keep_slots=True)`) moves
-        again with its keys/values; one exported by another engine (`export`) takes a slot under this engine's
-        weights, its keys/values recomputed from position 0 by its next forward (exactly what the block's
-        conditional under the new version needs). Queued sequences are queued again."""
-        if resident(self, s):
+        """Continue a sequence at its block boundary, under this engine's weights: one this engine holds
+        (`export(keep_slots=True)`) in its slot, one exported by another engine (`export`) in a free slot. Either way
+        its keys/values are recomputed from position 0 by its next forward (exactly what the block's conditional
+        under the current version needs), sharing a prompt with the sequences adopted before it as a new one
+        would, so a held sequence decodes with the same forwards as a handed-over one (a resumed run's). Queued
+        sequences are queued again."""
+        if resident(self, s):  # its keys/values are recomputed as an adopted one's: the same forwards either way
             s.held = False
+            self.active = [o for o in self.active if o is not s] + [s]  # in adoption order, as an adopted one
             self.runner.reset_block(s)
+            self.runner.load(s, [o for o in self.active[:-1] if not o.held])
             return s
         if s.status != QUEUED:  # refuse before recording it: a refused sequence is not this engine's
             sid = self.next_id

@@ -3,9 +3,11 @@
 `PartialRollouts.collect` runs one step's worth of decoding: it takes the sequences carried over from earlier
 steps (each stopped at a block boundary), the step's new prompts, and the weights of `version`; it decodes
 until `quota` prompt groups are complete, then stops every other sequence at its next block boundary
-(`Engine.drain`) and keeps it for the next call: in its slot of the worker's long-lived engine, held there with its
-keys/values (`Engine.export(keep_slots=True)`), or as host state when the call had an engine of its own. A
-checkpoint (`state`) holds the host state, which any engine adopts. Each block records the version that decoded it, so the
+(`Engine.drain`) and keeps it for the next call: in its slot of the worker's long-lived engine, held there
+(`Engine.export(keep_slots=True)`), or as host state when the call had an engine of its own. A checkpoint (`state`)
+holds the host state, which any engine adopts. Taken back, a sequence recomputes its keys/values under the current
+weights either way, so both give the same steps, forwards included (a resumed run's are those of an uninterrupted
+one). Each block records the version that decoded it, so the
 learner's behaviour term of a block is that version's conditional, exactly (docs/ebpo.md).
 
 What a call returns is decided by the decoding alone (the engine's forwards are a deterministic function of
@@ -78,8 +80,8 @@ class PartialRollouts:
         holding a sequence whose oldest block is older is overdue (None: none is); mt / tokenizer / runner:
         multi-turn (`rollout.multiturn`); engines: an `EngineHolder` whose long-lived engine decodes the call (a
         rollout worker's): the carried sequences wait between calls in its slots, held at their block boundaries
-        with their keys/values, which a weight swap recomputes (without one, the call's own engine decodes and
-        the carried sequences wait as host state, re-adopted by the next call's engine).
+        (without one, the call's own engine decodes and the carried sequences wait as host state, adopted by the
+        next call's engine; the results are the same).
         """
         stats = CollectStats()
         self.dropped_tags = set()
@@ -109,8 +111,8 @@ class PartialRollouts:
         complete, note_finished = self._complete_groups(order, client, quota, due)
         client.drain()
         note_finished()  # sequences that ended while draining wait in `done` for their group
-        # a worker's long-lived engine keeps the unfinished ones in their slots (keys/values and all) for the next
-        # call; a call's own engine lets them go
+        # a worker's long-lived engine keeps the unfinished ones in their slots for the next call; a call's own
+        # engine lets them go
         self.carried = engine.export(keep_slots=engines is not None)
         engine.forget_finished()
         stats.carried_out = len(self.carried)

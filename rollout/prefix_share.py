@@ -19,14 +19,14 @@ def shared_len(s, K: int) -> int:
 
 
 def find_source(s, active: list, K: int):
-    """A live sequence of `active` (other than `s`, not itself waiting for a source) whose prompt starts with
-    `s`'s whole prompt blocks, or None."""
+    """A live sequence of `active` (other than `s`, not itself waiting for a source, not held between its client's
+    calls) whose prompt starts with `s`'s whole prompt blocks, or None."""
     n = shared_len(s, K)
     if n == 0:
         return None
     head = s.prompt[:n]
     for o in active:
-        if o is not s and o.prefix_source is None and o.slot is not None and o.prompt_len >= n \
+        if o is not s and o.prefix_source is None and o.slot is not None and not o.held and o.prompt_len >= n \
                 and o.prompt[:n] == head:
             return o
     return None
