@@ -13,6 +13,7 @@ import rewards.sandbox as sandbox
 from rewards import RewardWorker, check_timeout_budget
 from rewards.code_reward import code_reward, extract_code, total_budget_s
 from rewards.sandbox import mode_works, resolve_mode
+from tests.rewards.hostile import marked_processes
 
 MODES = [m for m in ("bwrap", "unshare", "rlimits") if m == "rlimits" or mode_works(m)]
 FAST = dict(test_timeout_s=1.0, total_timeout_s=4.0)
@@ -61,19 +62,6 @@ def test_bad_tests_and_infrastructure_failures_skip(monkeypatch):
 
 
 # ---- adversarial completions ---------------------------------------------------------------------
-
-def _alive_with_marker(marker: str) -> list[int]:
-    pids = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        pids.append(int(p))
-            except OSError:
-                pass
-    return pids
-
 
 def _adversaries(tmp_path, secret_name, secret, port, marker):
     outside = tmp_path / "outside.txt"
@@ -177,7 +165,7 @@ def test_adversarial_completions(mode, tmp_path, monkeypatch):
         assert out.extras["sandbox"] == mode
         assert seconds < FAST["total_timeout_s"] + 6, (name, seconds)
     assert not (tmp_path / "outside.txt").exists()
-    assert _alive_with_marker(marker) == [], "a daemonized child outlived the sandbox"
+    assert marked_processes(marker) == [], "a daemonized child outlived the sandbox"
     if info.network_isolated:
         assert not connected, "the sandbox reached a host socket"
     else:
