@@ -118,7 +118,10 @@ class Episode:
         fut.set_running_or_notify_cancel()
         with self.cv:
             self.info = {"tool_calls": tool_call_records(text, self.tools)}
-            self.reply.set_result((text, ids, turn.finished_by))
+            try:
+                self.reply.set_result((text, ids, turn.finished_by))
+            except concurrent.futures.InvalidStateError:  # the agent stopped waiting: its wait cancelled the reply
+                pass  # (in the event loop, at any moment): the turn stays, the segment ends (`end`, in _answer)
             self.pending = fut
             if self.ending is not None:
                 self._close_step()
