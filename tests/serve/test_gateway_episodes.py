@@ -365,3 +365,178 @@ def test_first_turn_tool_calls_are_judged_against_the_requests_tools(stub):
         assert [(c["name"], c["ok"]) for c in turn["tool_calls"]] == [("calc", True)] * n
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == n
         assert len({c.id for c in choice.message.tool_calls}) == n
+
+
+# ---- OpenAI fields, retries, ends while a request waits ------------------------------------------------------
+
+class _NoToolStub(_ChatStub):
+    """The chat stub without a closing-tool-call token: a turn ends at EOS or at its budget."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.support.stub_engine_model import StubTokenizer
+
+        self.inner = StubTokenizer(tool=None)
+
+
+def test_a_turn_cut_by_its_budget_finishes_with_length_and_the_raw_choice_has_openais_fields():
+    """OpenAI: finish_reason "length" when the token budget cut the answer; the response carries `created` (Unix
+    seconds) and each choice `logprobs` (null: a diffusion policy has no per-token autoregressive log-probs)."""
+    from tests.support.stub_engine_model import StubModel
+
+    raw = []
+
+    async def agent(client, row):
+        before = int(time.time())
+        r = await client.chat.completions.with_raw_response.create(
+            model="p", messages=[{"role": "user", "content": row["prompt"]}])
+        raw.append((before, r.http_response.json(), int(time.time())))
+        return 1.0
+
+    gw = _gateway(StubModel(K=4, seed=1, eos_rate=0.0), _NoToolStub(), _config(), max_batch=4)
+    try:
+        samples = _run(gw, agent, n=2)
+    finally:
+        gw.close()
+    for s, (before, body, after) in zip(samples, raw):
+        assert s["trajectory"]["turns"][0]["finished_by"] == "budget"
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "length" and "logprobs" in choice and choice["logprobs"] is None
+        assert isinstance(body["created"], int) and before <= body["created"] <= after
+
+
+def test_a_failed_request_is_not_sent_again(stub):
+    """An episode's client does not retry: a request that meets a server fault (500) is answered once, with the
+    error, and never decoded a second time."""
+    calls = []
+
+    async def agent(client, row):
+        with pytest.raises(openai.InternalServerError):
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}])
+        return 1.0
+
+    gw = _fast(stub)
+
+    async def broken(*a):
+        calls.append(a[0])
+        raise RuntimeError("render fault")
+
+    try:
+        gw._render = broken
+        samples, took = _run_bounded(gw, agent, [{"prompt": "g"}], limit_s=30)
+    finally:
+        gw.close()
+    assert len(calls) == 1 and samples[0]["trajectory"]["stop"] == "agent_error"
+
+
+def test_a_request_waiting_when_the_engine_fails_gets_episode_over_not_a_hang(stub):
+    """The engine fails while a request waits for its turn: the request gets episode_over naming the failure at
+    once (nothing waits forever); the batch then fails with the engine's error."""
+    from tests.support.stub_engine_model import StubModel
+
+    class Failing(StubModel):
+        def forward(self, *a, **kw):
+            raise RuntimeError("device lost")
+
+    got = []
+
+    async def agent(client, row):
+        try:
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}])
+        except openai.BadRequestError as e:
+            got.append((e.body["code"], e.body["message"]))
+        return 1.0
+
+    _, tok = stub
+    gw = _gateway(Failing(K=4, seed=1), tok, _config(), max_batch=4)
+    out = {}
+
+    def go():
+        try:
+            gw.run(agent, [{"prompt": "g"}])
+        except Exception as e:  # noqa: BLE001 - the batch's error is what the test reads
+            out["error"] = e
+
+    try:
+        th = threading.Thread(target=go, daemon=True)
+        th.start()
+        th.join(30)
+    finally:
+        gw.close()
+    assert not th.is_alive(), "the waiting request hung"
+    assert len(got) == 1 and got[0][0] == "episode_over" and "device lost" in got[0][1]
+    assert "device lost" in str(out.get("error"))
+
+
+def test_a_limit_that_ends_the_sequence_under_a_waiting_request_logs_no_error(stub, caplog):
+    """At the turn limit the sequence ends while the agent's next request waits: that request gets episode_over,
+    and ending it raises nothing in the engine thread (no callback error logged)."""
+    import logging
+
+    async def talker(client, row):
+        msgs = [{"role": "user", "content": row["prompt"]}]
+        while True:
+            r = await client.chat.completions.create(model="p", messages=msgs)
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "h"}]
+
+    gw = _fast(stub, max_turns=2)
+    caplog.set_level(logging.ERROR)
+    try:
+        samples = _run(gw, talker, n=3, limit_s=30)
+    finally:
+        gw.close()
+    assert all(s["trajectory"]["stop"] == "max_turns" and not s["trajectory"]["failed"] for s in samples)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def _slow_model(delay):
+    from tests.support.stub_engine_model import StubModel
+
+    class Slow(StubModel):
+        def forward(self, *a, **kw):
+            time.sleep(delay)
+            return super().forward(*a, **kw)
+
+    return Slow(K=4, seed=1, eos_rate=0.0)
+
+
+def test_an_agent_that_returns_while_its_request_decodes_ends_the_episode_at_that_turn(stub):
+    """The agent returns with a request still decoding: its segment ends at that turn (stop done, not failed),
+    at once, not at a timeout."""
+    gw = _gateway(_slow_model(0.03), _NoToolStub(), _config(), max_batch=4, mt={"step_timeout_s": 0.5})
+
+    async def agent(client, row):
+        eid = str(client.base_url).split("/episodes/")[1].split("/")[0]
+        asyncio.ensure_future(client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}]))
+        while gw.episodes[eid].segment is None:
+            await asyncio.sleep(0.005)
+        return 1.0
+
+    try:
+        samples, took = _run_bounded(gw, agent, [{"prompt": "g"}], limit_s=30)
+    finally:
+        gw.close()
+    t = samples[0]["trajectory"]
+    assert t["stop"] == "done" and not t["failed"] and len(t["turns"]) == 1 and t["env_reward"] == 1.0
+    assert took < 5.0, took
+
+
+def test_a_request_the_agent_gives_up_on_ends_its_segment_at_that_turn(stub):
+    """An agent that stops waiting for its request (cancels it) ends its segment at that turn: the episode's
+    stop is done, not the timeout of a wait that T later ran out."""
+    T = 0.5
+    gw = _gateway(_slow_model(0.03), _NoToolStub(), _config(), max_batch=4, mt={"step_timeout_s": T})
+
+    async def agent(client, row):
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.chat.completions.create(
+                model="p", messages=[{"role": "user", "content": "g"}]), 0.1)
+        await asyncio.sleep(1.5 * T)
+        return 1.0
+
+    try:
+        samples, took = _run_bounded(gw, agent, [{"prompt": "g"}], limit_s=30)
+    finally:
+        gw.close()
+    t = samples[0]["trajectory"]
+    assert t["stop"] == "done" and not t["failed"] and len(t["turns"]) == 1 and t["env_reward"] == 1.0
