@@ -19,16 +19,26 @@ from __future__ import annotations
 import torch
 
 
+# CPU's fused attention also returns each query's log-sum-exp, which the merge needs: one pass instead of a matrix
+# product, an exp and a second product in Python (about 3x faster at decode sizes). A private op, hence the fallback.
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scale: float):
-    """Attention of q (..., M, D) over k, v (..., N, D) with keep (..., M, N) bool or None (all) ->
-    (out (..., M, D) float32, lse (..., M) float32)."""
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    """Attention of q (B, H, M, D) over k, v (B, H, N, D) with keep (B, 1, M, N) bool or None (all) ->
+    (out (B, H, M, D) float32, lse (B, H, M) float32). Every query keeps a key (module docstring)."""
+    q, k, v = q.float(), k.float(), v.float()
+    if _FUSED_CPU is not None and q.device.type == "cpu":
+        mask = None if keep is None else torch.zeros(keep.shape, dtype=q.dtype).masked_fill_(~keep, float("-inf"))
+        out, lse = _FUSED_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        return out, lse
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
-    top = s.amax(dim=-1, keepdim=True)  # finite: every query keeps a key (module docstring)
+    top = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - top)
     total = p.sum(dim=-1, keepdim=True)
-    return torch.matmul(p, v.float()) / total, (top + torch.log(total)).squeeze(-1)
+    return torch.matmul(p, v) / total, (top + torch.log(total)).squeeze(-1)
 
 
 def group_prefix_part(q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor,
@@ -38,8 +48,8 @@ def group_prefix_part(q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.T
     n, L, H, D = q.shape
     kv = k_shared.shape[1]
     rep = H // kv
-    qg = q.reshape(n, L, kv, rep, D).permute(2, 0, 1, 3, 4).reshape(kv, n * L * rep, D)
-    out, lse = _partial(qg, k_shared.permute(1, 0, 2), v_shared.permute(1, 0, 2), None, scale)
+    qg = q.reshape(n, L, kv, rep, D).permute(2, 0, 1, 3, 4).reshape(1, kv, n * L * rep, D)
+    out, lse = _partial(qg, k_shared.permute(1, 0, 2)[None], v_shared.permute(1, 0, 2)[None], None, scale)
     out = out.reshape(kv, n, L, rep, D).permute(1, 2, 0, 3, 4).reshape(n, L, H, D)
     return out, lse.reshape(kv, n, L, rep).permute(1, 2, 0, 3).reshape(n, L, H)
 
@@ -51,9 +61,12 @@ def rows_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, L, H, D = q.shape
     kv = k.shape[2]
     rep = H // kv
-    qb = q.reshape(b, L, kv, rep, D).permute(0, 2, 3, 1, 4)  # (b, kv, rep, L, D)
-    kb, vb = k.permute(0, 2, 1, 3)[:, :, None], v.permute(0, 2, 1, 3)[:, :, None]  # (b, kv, 1, N, D)
-    out, lse = _partial(qb, kb, vb, keep[:, :, None], D ** -0.5)  # keep (b, 1, 1, L, N)
+    N = k.shape[1]
+    qb = q.reshape(b, L, kv, rep, D).permute(0, 2, 3, 1, 4).reshape(b, kv, rep * L, D)  # rep-major queries
+    kb, vb = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # (b, kv, N, D)
+    keep = keep[:, :, None].expand(b, 1, rep, L, N).reshape(b, 1, rep * L, N)
+    out, lse = _partial(qb, kb, vb, keep, D ** -0.5)
+    out, lse = out.reshape(b, kv, rep, L, D), lse.reshape(b, kv, rep, L)
     return out.permute(0, 3, 1, 2, 4).reshape(b, L, H, D), lse.permute(0, 3, 1, 2).reshape(b, L, H)
 
 

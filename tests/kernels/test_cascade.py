@@ -5,7 +5,19 @@ import math
 import pytest
 import torch
 
+import kernels.cascade
 from kernels.cascade import cascade_attention, merge, rows_part
+
+
+@pytest.fixture(params=["fused", "plain"], autouse=True)
+def path(request, monkeypatch):
+    """Every test runs twice: on CPU's fused attention (where torch has it) and on the plain matrix products that
+    other devices take."""
+    if request.param == "fused" and kernels.cascade._FUSED_CPU is None:
+        pytest.skip("this torch has no fused CPU attention op")
+    if request.param == "plain":
+        monkeypatch.setattr(kernels.cascade, "_FUSED_CPU", None)
+    return request.param
 
 
 def _reference(q, k, v, keep):
@@ -66,6 +78,10 @@ def test_rows_part_is_masked_softmax_attention_and_merge_of_halves_is_the_whole(
     out, lse = rows_part(q, k, v, keep)
     for r in range(b):
         assert torch.allclose(out[r].double(), _reference(q[r], k[r], v[r], keep[r, 0]), atol=_tol(D, N), rtol=0)
+        for h in range(H):  # the log-sum-exp of the kept scores, which the merge weighs the two parts by
+            s = (q[r, :, h].double() @ k[r, :, h // (H // kv)].double().T) / math.sqrt(D)
+            want = torch.logsumexp(s.masked_fill(~keep[r, 0], -math.inf), dim=1)
+            assert torch.allclose(lse[r, :, h].double(), want, atol=_tol(D, N), rtol=0), (r, h)
     # split the keys in two disjoint halves: merging their partial attentions gives the whole
     a = rows_part(q, k[:, :5], v[:, :5], keep[..., :5])
     c = rows_part(q, k[:, 5:], v[:, 5:], keep[..., 5:])
