@@ -288,7 +288,11 @@ class AgentGateway:
         if ep.segment is None:
             return
         ep.end(why)
-        seq = await asyncio.wrap_future(ep.segment)
+        try:
+            seq = await asyncio.wrap_future(ep.segment)
+        except ValueError:  # the engine refused the segment (a prompt longer than the canvas): it never ran and
+            ep.segment = None  # its request got episode_over; the episode and the batch go on without it
+            return
         stop = seq.stop or "done"
         if why == REWRITE:
             stop = "rewritten"
