@@ -540,3 +540,31 @@ def test_a_request_the_agent_gives_up_on_ends_its_segment_at_that_turn(stub):
         gw.close()
     t = samples[0]["trajectory"]
     assert t["stop"] == "done" and not t["failed"] and len(t["turns"]) == 1 and t["env_reward"] == 1.0
+
+
+def test_a_request_too_long_for_the_canvas_is_refused_and_the_batch_goes_on(stub):
+    """A first request longer than the episode's canvas (max_total_tokens plus a block) gets a 400 naming the
+    length; the episode goes on (a shorter request is answered from a new segment) and so does the batch."""
+    got = []
+
+    async def agent(client, row):
+        if row["i"] == 1:
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}])
+            return 1.0
+        try:
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g" * 300}])
+        except openai.BadRequestError as e:
+            got.append((e.body["code"], "does not fit" in e.body["message"]))
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "gh"}])
+        return 0.5
+
+    gw = _fast(stub)
+    try:
+        long, short = _run(gw, agent, n=2)
+    finally:
+        gw.close()
+    assert got == [("episode_over", True)]
+    for s, reward in ((long, 0.5), (short, 1.0)):
+        t = s["trajectory"]
+        assert not t["failed"] and t["stop"] == "done" and t["env_reward"] == reward and len(t["turns"]) == 1
+    assert long["trajectory"]["segments"] == []  # the refused segment never ran: nothing of it to train on
