@@ -343,12 +343,12 @@ def test_an_agent_that_ignores_every_cancellation_is_abandoned(stub):
 def test_first_turn_tool_calls_are_judged_against_the_requests_tools(stub):
     """The first request's `tools` judge the first turn's calls (a call of an offered tool is ok), and the
     returned calls have distinct ids and finish_reason tool_calls."""
-    seen = []
+    seen = {}
 
     async def agent(client, row):
         r = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": row["prompt"]}],
                                                  tools=[CALC])
-        seen.append(r.choices[0])
+        seen[row["i"]] = r.choices[0]
         return 1.0
 
     model, _ = stub
@@ -357,7 +357,8 @@ def test_first_turn_tool_calls_are_judged_against_the_requests_tools(stub):
         samples = _run(gw, agent, n=4)
     finally:
         gw.close()
-    called = [(s, c) for s, c in zip(samples, seen) if _CallingStub.CALL in s["trajectory"]["turns"][0]["text"]]
+    called = [(s, seen[i]) for i, s in enumerate(samples)
+              if _CallingStub.CALL in s["trajectory"]["turns"][0]["text"]]
     assert called, "no first turn called a tool: pick another stub seed"
     for s, choice in called:
         turn = s["trajectory"]["turns"][0]
@@ -384,13 +385,13 @@ def test_a_turn_cut_by_its_budget_finishes_with_length_and_the_raw_choice_has_op
     seconds) and each choice `logprobs` (null: a diffusion policy has no per-token autoregressive log-probs)."""
     from tests.support.stub_engine_model import StubModel
 
-    raw = []
+    raw = {}
 
     async def agent(client, row):
         before = int(time.time())
         r = await client.chat.completions.with_raw_response.create(
             model="p", messages=[{"role": "user", "content": row["prompt"]}])
-        raw.append((before, r.http_response.json(), int(time.time())))
+        raw[row["i"]] = (before, r.http_response.json(), int(time.time()))
         return 1.0
 
     gw = _gateway(StubModel(K=4, seed=1, eos_rate=0.0), _NoToolStub(), _config(), max_batch=4)
@@ -398,7 +399,8 @@ def test_a_turn_cut_by_its_budget_finishes_with_length_and_the_raw_choice_has_op
         samples = _run(gw, agent, n=2)
     finally:
         gw.close()
-    for s, (before, body, after) in zip(samples, raw):
+    for i, s in enumerate(samples):
+        before, body, after = raw[i]
         assert s["trajectory"]["turns"][0]["finished_by"] == "budget"
         choice = body["choices"][0]
         assert choice["finish_reason"] == "length" and "logprobs" in choice and choice["logprobs"] is None
@@ -486,7 +488,8 @@ def test_a_limit_that_ends_the_sequence_under_a_waiting_request_logs_no_error(st
     finally:
         gw.close()
     assert all(s["trajectory"]["stop"] == "max_turns" and not s["trajectory"]["failed"] for s in samples)
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    # a callback that raises is logged by concurrent.futures (and swallowed): the engine thread's error
+    assert [r.getMessage() for r in caplog.records if r.name == "concurrent.futures"] == []
 
 
 def _slow_model(delay):
