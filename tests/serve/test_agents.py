@@ -228,3 +228,13 @@ def test_a_bad_agent_reference_fails_at_construction(agents_file):
         AgentRolloutWorker("preset:tiny", {}, agent=f"{agents_file}:plain")
     with pytest.raises(AgentLoadError, match="do not fit its signature"):
         AgentRolloutWorker("preset:tiny", {}, agent=f"{agents_file}:agent", agent_kwargs={"turns": 2})
+
+
+def test_the_other_arguments_are_the_rollout_workers(agents_file):
+    from ebpo.model.loading import load_model
+    from rollout.weight_sync import state_dict_digest
+
+    policy = load_model("preset:tiny@7").state_dict()  # other weights than preset:tiny's own
+    w = AgentRolloutWorker("preset:tiny", {}, agent=f"{agents_file}:agent", weights=policy, weights_version=9)
+    assert w.version == 9 and w.weights_digest() == state_dict_digest(policy)
+    assert w.weights_digest() != state_dict_digest(load_model("preset:tiny").state_dict())
