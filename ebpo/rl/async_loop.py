@@ -14,18 +14,18 @@ of its seed and a resumed run repeats the uninterrupted one. The synchronous loo
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from ebpo.infra.plots import plot_run
 from ebpo.rl import checkpoints
 from ebpo.rl.async_pipeline import RolloutPipeline, staleness_metrics
 from ebpo.rl.config import RLConfig
 from ebpo.rl.learner_group import LearnerRankDied
+from ebpo.rl.run_state import RunReadout
 from ebpo.rl.setup import RLRun, rebuild_learner, start_run
 from ebpo.rl.step import StepProgress, collect, evaluate, evaluates_at, finish, last_step, learn, saves_at, timed
 
 
-class AsyncLoop:
+class AsyncLoop(RunReadout):
     """`AsyncLoop(cfg).fit()` trains; `close()` stops the producer and releases the actors."""
 
     def __init__(self, cfg: RLConfig, run: RLRun | None = None):
@@ -115,20 +115,3 @@ class AsyncLoop:
         """Stop the producer; plots, W&B finish, then the actors are released (the Ray instance stays)."""
         self._stop_pipeline()
         self.run.close(plot_run if self.run.cfg.trainer.plots else None)
-
-    # what tests and tools read of a run
-    @property
-    def run_dir(self) -> Path:
-        return self.run.run_dir
-
-    @property
-    def events(self) -> list[str]:
-        return self.run.events
-
-    @property
-    def learner(self):
-        return self.run.learner
-
-    @property
-    def version_log(self) -> list[tuple[int, int, list[int]]]:
-        return self.run.version_log

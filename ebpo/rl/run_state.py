@@ -65,3 +65,25 @@ class RLRun:
             self.tracker.finish()
         finally:
             self.cluster.stop()
+
+
+class RunReadout:
+    """What tests and tools read of a run through its loop (`SyncLoop`, `AsyncLoop`), whose `run` is an `RLRun`."""
+
+    run: RLRun
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.run_dir
+
+    @property
+    def events(self) -> list[str]:
+        return self.run.events
+
+    @property
+    def learner(self):
+        return self.run.learner
+
+    @property
+    def version_log(self) -> list[tuple[int, int, list[int]]]:
+        return self.run.version_log

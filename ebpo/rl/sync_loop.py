@@ -13,18 +13,18 @@ reward actors restart themselves (ebpo.rl.cluster). The asynchronous loop is `eb
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from ebpo.infra.plots import plot_run
 from ebpo.rl import checkpoints
 from ebpo.rl.config import RLConfig
 from ebpo.rl.learner_group import LearnerRankDied
+from ebpo.rl.run_state import RunReadout
 from ebpo.rl.setup import RLRun, rebuild_learner, start_run
 from ebpo.rl.step import (StepProgress, collect, evaluate, evaluates_at, finish, last_step, learn, saves_at,
                           timed)
 
 
-class SyncLoop:
+class SyncLoop(RunReadout):
     """`SyncLoop(cfg).fit()` trains; `close()` releases the actors. `run` holds everything else."""
 
     def __init__(self, cfg: RLConfig, run: RLRun | None = None):
@@ -79,16 +79,3 @@ class SyncLoop:
     def close(self) -> None:
         """Plots, W&B finish, then the actors and the placement group are released (the Ray instance stays)."""
         self.run.close(plot_run if self.run.cfg.trainer.plots else None)
-
-    # what tests and tools read of a run
-    @property
-    def run_dir(self) -> Path:
-        return self.run.run_dir
-
-    @property
-    def events(self) -> list[str]:
-        return self.run.events
-
-    @property
-    def learner(self):
-        return self.run.learner
