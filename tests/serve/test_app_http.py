@@ -163,6 +163,7 @@ def test_json_content_types_are_accepted(ctype):
     None, "", "text/plain", "text/json", "application/jsonx", "application/x-www-form-urlencoded",
     "multipart/form-data; boundary=x", "application/json; charset=latin-1", "application/json; charset=utf-16",
     "application/json; charset=utf-8; charset=latin-1", "application/json; charset=",
+    "application/json; charset=Xutf-8X", "application/json; charset=x=utf-8",  # not utf-8 either
 ])
 def test_other_content_types_get_415(ctype):
     request, _ = _request({} if ctype is None else {"Content-Type": ctype})
@@ -202,6 +203,7 @@ def test_a_content_length_that_is_not_a_number_is_a_400(declared):
     with pytest.raises(RequestError) as err:
         _read(request, 100)
     assert (err.value.status, err.value.code) == (400, "invalid_request") and got == []
+    assert isinstance(err.value.message, str) and "Content-Length" in err.value.message
 
 
 def test_a_body_of_exactly_the_limit_is_read_whole():
@@ -282,6 +284,12 @@ def test_unknown_routes_and_methods_get_openai_shaped_errors():
     err = _error_of(client.get("/v1/chat/completions"), 405)
     assert err["message"].startswith("GET /v1/chat/completions: ")
     _error_of(client.get("/episodes/1/v1/models"), 404, type_="not_found_error")  # only with `complete`
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"])
+def test_the_app_serves_no_schema_or_docs_pages(path):
+    """Only the routes of the OpenAI API exist: no generated schema or docs pages to crawl."""
+    _error_of(_client().get(path), 404, type_="not_found_error")
 
 
 def test_a_server_fault_is_a_500_and_the_server_goes_on():
@@ -414,10 +422,13 @@ def _supervised(work_coro, messages=(), shutdown=None, expire_after=None):
 
         if expire_after is not None:
             shutdown.begin(expire_after)
+        task = asyncio.ensure_future(work())
         try:
-            out = await supervise(request, asyncio.ensure_future(work()), shutdown)
+            out = await supervise(request, task, shutdown)
         except Exception as e:  # noqa: BLE001 - returned for the test to look at
             out = e
+        # when the answer is given, the work has already stopped (its cancellation handled, sequences aborted)
+        assert task.done()
         await asyncio.sleep(0)
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         return out, state["cancelled"], got, others
@@ -449,6 +460,7 @@ def test_supervise_answers_503_when_the_grace_ends_first():
     assert cancelled and others == []
     assert isinstance(out, RequestError)
     assert (out.status, out.code, out.type) == (503, "server_shutting_down", "server_error")
+    assert "shutting down" in out.message and "grace" in out.message
 
 
 def test_supervise_passes_on_the_work_s_error():
@@ -465,7 +477,7 @@ def test_a_closing_app_refuses_new_requests_with_503():
     app.state.shutdown.closing = True
     client = TestClient(app, raise_server_exceptions=False)
     err = _error_of(client.post("/v1/chat/completions", json=BODY), 503, "server_shutting_down", type_="server_error")
-    assert err["param"] is None and service.requests == []
+    assert err["param"] is None and service.requests == [] and "shutting down" in err["message"]
 
 
 # ---- the server: a free port, drain on SIGTERM
@@ -476,6 +488,35 @@ def test_graceful_server_gives_uvicorn_a_backstop_after_the_grace():
     server = GracefulServer(uvicorn.Config(create_app(EchoService())), grace_s=3)
     assert server.grace_s == 3.0 and isinstance(server.grace_s, float)
     assert server.config.timeout_graceful_shutdown == 5.0
+
+
+def test_a_second_sigint_forces_the_exit():
+    import signal
+
+    import uvicorn
+
+    server = GracefulServer(uvicorn.Config(create_app(EchoService())), grace_s=1)
+    server.handle_exit(signal.SIGINT, None)
+    assert server.should_exit and not server.force_exit
+    server.handle_exit(signal.SIGINT, None)
+    assert server.force_exit
+    term = GracefulServer(uvicorn.Config(create_app(EchoService())), grace_s=1)
+    term.handle_exit(signal.SIGTERM, None)
+    term.handle_exit(signal.SIGTERM, None)
+    assert term.should_exit and not term.force_exit
+
+
+def test_stop_waits_for_the_server_thread_at_most_its_timeout():
+    live = BackgroundServer(create_app(EchoService()))
+    server_thread, stuck = live.thread, threading.Event()
+    live.thread = threading.Thread(target=stuck.wait, daemon=True)  # a server thread that never ends
+    live.thread.start()
+    t0 = time.monotonic()
+    live.stop(timeout_s=0.3)
+    assert 0.25 < time.monotonic() - t0 < 3.0 and live.server.should_exit
+    stuck.set()
+    server_thread.join(10)
+    assert not server_thread.is_alive()
 
 
 def test_a_background_server_serves_on_a_free_port_and_drains_on_terminate():
@@ -497,14 +538,53 @@ def test_a_background_server_serves_on_a_free_port_and_drains_on_terminate():
         live.stop()
 
 
-def test_a_background_server_on_a_taken_port_fails_to_start():
+def test_a_background_server_on_a_taken_port_fails_at_once():
     first = BackgroundServer(create_app(EchoService()))
     try:
+        t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=f"127.0.0.1:{first.port}"):
-            BackgroundServer(create_app(EchoService()), port=first.port, timeout_s=5)
+            BackgroundServer(create_app(EchoService()), port=first.port, timeout_s=60)
+        assert time.monotonic() - t0 < 30, "waited for the start-up timeout although the server thread had died"
     finally:
         first.stop()
     assert not first.thread.is_alive()
+
+
+def test_a_background_server_listens_only_on_its_host():
+    import httpx
+
+    live = BackgroundServer(create_app(EchoService()), host="127.0.0.2")
+    try:
+        assert live.base_url == f"http://127.0.0.2:{live.port}/v1"
+        assert httpx.get(live.base_url + "/models", timeout=10).status_code == 200
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{live.port}/v1/models", timeout=10)
+    finally:
+        live.stop()
+
+
+def test_graceful_server_serves_on_the_sockets_it_is_given():
+    import socket
+
+    import httpx
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = GracefulServer(uvicorn.Config(create_app(EchoService()), host="127.0.0.1", port=1, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
 
 
 def test_terminate_works_for_an_app_without_drain_state():
