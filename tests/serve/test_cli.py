@@ -88,10 +88,14 @@ def test_build_service_defaults(monkeypatch):
         assert not service.model.training and driver.model is service.model
     finally:
         driver.close()
-    service, driver = build_service("preset:tiny", "m", "speed", {"max_new_tokens": 7}, 3, 64, "cpu", 5)
+    service, driver = build_service("preset:tiny", "m", "speed", {"max_new_tokens": 7, "block_size": 4}, 3, 64,
+                                     "meta", 5)
     try:
-        assert (service.name, service.default) == ("m", DecodeConfig.preset("speed", max_new_tokens=7))
+        assert (service.name, service.default) == ("m", DecodeConfig.preset("speed", max_new_tokens=7, block_size=4))
         assert (driver.max_batch, driver.max_len, service.max_sequences) == (3, 64, 5)
+        assert next(service.model.parameters()).device.type == "meta"  # --device
+        # the default settings are the engine's own too: its block size (the preset model's is 8)
+        assert service.model.config.block_size == 8 and driver.engine.K == 4
     finally:
         driver.close()
 
@@ -174,7 +178,8 @@ def test_main_serves_the_model_with_its_flags(serve, capsys):
 
     argv = ["--model", "preset:tiny", "--name", "served", "--host", "0.0.0.0", "--port", "8123", "--mode", "speed",
             "--set", "max_new_tokens=7", "--set", "tau_edit=0.3", "--max-batch", "3", "--max-len", "64",
-            "--api-key", "sekret", "--max-body-mb", "0.001", "--shutdown-grace-s", "2.5", "--num-threads", "2"]
+            "--api-key", "sekret", "--max-body-mb", "0.001", "--shutdown-grace-s", "2.5", "--num-threads", "2",
+            "--device", "meta"]
     rc, rec = serve(argv, key="sekret", limit=int(0.001 * 2 ** 20))
     assert rc == 0 and "WARNING" not in rec["before_load"]  # a key: no warning beyond loopback
     config = rec["config"]
@@ -182,7 +187,7 @@ def test_main_serves_the_model_with_its_flags(serve, capsys):
     service, driver = rec["service"], rec["driver"]
     assert service.name == "served" and service.default == DecodeConfig.preset("speed", max_new_tokens=7, tau_edit=0.3)
     assert (driver.max_batch, driver.max_len, service.max_sequences) == (3, 64, 12)
-    assert rec["threads"] == [2]
+    assert rec["threads"] == [2] and next(service.model.parameters()).device.type == "meta"
     answers = rec["answers"]
     assert answers["models"][0] == 200 and [m["id"] for m in answers["models"][1]["data"]] == ["served"]
     assert answers["keyless"] == 401  # the key guards every route
@@ -220,12 +225,12 @@ def test_the_engine_thread_stops_when_the_server_fails(serve):
     (["--shutdown-grace-s", "-0.5"], "--max-body-mb must be > 0 and --shutdown-grace-s >= 0"),
     (["--max-sequences", "0"], "--max-sequences must be >= 1, got 0"),
     (["--set", "max_new_tokens"], "override 'max_new_tokens': expected key=value"),
-    (["--mode", "quality", "--set", "tau_mask=3"], "tau_mask"),
+    (["--mode", "quality", "--set", "tau_mask=3"], "DecodeConfig.tau_mask: "),
 ])
 def test_a_bad_setting_exits_2_before_loading_anything(serve, capsys, argv, error):
     rc, rec = serve(argv)
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("ebpo serve: ") and error in err and err.endswith("\n")
+    assert rc == 2 and err.startswith("ebpo serve: " + error) and err.endswith("\n") and err.count("\n") == 1
     assert "service" not in rec and "config" not in rec
 
 
