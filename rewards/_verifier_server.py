@@ -35,7 +35,6 @@ RESULT_BYTES = 16384
 # taken now, before any answer runs: an answer the verifier evaluates may rebind the builtins of its own
 # child, and its verdict must not go through them
 _FLOAT, _TYPE, _STR, _DUMPS = float, type, str, json.dumps
-WARM_S = 10  # the longest a warm-up on the gold answer may take (it is trusted; this only bounds a bug)
 
 
 class _Warm(Exception):
@@ -56,7 +55,7 @@ class Server:
             import reasoning_gym
             self.rg = reasoning_gym
         for ref, env_args in cfg.get("vf_envs", []):
-            from rewards.verifiers_reward import load_vf_environment
+            from rewards._vf_scoring import load_vf_environment
             key = (ref, json.dumps(env_args or {}, sort_keys=True))
             try:
                 self.envs[key] = load_vf_environment(ref, env_args)
@@ -80,7 +79,7 @@ class Server:
         if req["kind"] == "rg":
             return {"score": _FLOAT(self.score_fns[req["task"]](answer, req["entry"]))}
         import asyncio
-        from rewards.verifiers_reward import score_with_rubric
+        from rewards._vf_scoring import score_with_rubric
         env = self.envs[req["env_key"]]
         reward, metrics = asyncio.run(score_with_rubric(env, req["input"], answer))
         return {"score": _FLOAT(reward),
@@ -93,7 +92,7 @@ class Server:
             return
         self.warmed.add(key)
         old = signal.signal(signal.SIGALRM, _alarm)
-        signal.alarm(WARM_S)
+        signal.alarm(int(self.cfg["warm_s"]))
         try:
             self._score(req, req["gold"])
         except BaseException:  # noqa: BLE001 - a gold answer the verifier refuses warms what it can

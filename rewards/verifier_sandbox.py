@@ -36,6 +36,7 @@ from rewards import sandbox_uids
 
 _LOG = logging.getLogger("rewards.verifier_sandbox")
 MODES = ("auto", "namespaces", "chroot", "none")
+WARM_S = 10  # the longest the server's warm-up on a gold answer may take (trusted; this only bounds a bug)
 START_TIMEOUT_S = 300.0  # importing reasoning-gym and loading environments, on a loaded machine
 GRACE_S = 3.0            # the server kills a child at its deadline; we kill the server this long after
 RETRY_S = 60.0           # a server that failed to start is not tried again for this long (same settings)
@@ -137,7 +138,6 @@ class _Server:
 
     def _warm_s(self, req: dict) -> float:
         """The server warms up on the gold answer the first time it sees a task: allow for that once."""
-        from rewards._verifier_server import WARM_S
         key = ("rg", req.get("task")) if req["kind"] == "rg" else ("vf",) + tuple(req.get("env_key", ()))
         if key in self.warmed:
             return 0.0
@@ -219,7 +219,7 @@ def score(kind: str, request: dict, *, gold, timeout_s: float = 5.0, memory_mb: 
         raise ValueError(f"verifier sandbox mode must be one of {', '.join(MODES)}; got {mode!r}")
     env_key = None
     cfg = {"mode": mode, "memory_bytes": int(memory_mb) << 20, "timeout_s": float(timeout_s),
-           "reasoning_gym": kind == "rg", "vf_envs": []}
+           "reasoning_gym": kind == "rg", "vf_envs": [], "warm_s": WARM_S}
     if kind == "vf":
         ref, env_args = vf_env
         env_key = [ref, json.dumps(env_args or {}, sort_keys=True)]

@@ -14,48 +14,15 @@ own rollout loop: the gateway, docs/rl.md "Task libraries"). Needs the `envs` ex
 from __future__ import annotations
 
 import importlib.util
-import json
 
 from rewards import verifier_sandbox
+from rewards._vf_scoring import load_vf_environment, score_with_rubric
 from rewards.api import RewardResult, skip
-from rewards.loader import load_module_file
 from rewards.reasoning_gym_reward import row_metadata
 
-_ENVS: dict = {}  # (ref, env_args as JSON) -> environment, one per process
-_UNUSED_URL = "http://127.0.0.1:9/v1"  # scoring never calls the model: the state only needs a client object
-
-
-def load_vf_environment(ref: str, env_args: dict | None = None):
-    """The verifiers environment `ref` built with `env_args` (cached per process): a file path ending in .py
-    (its `load_environment`), else `verifiers.load_environment(ref, **env_args)`."""
-    key = (ref, json.dumps(env_args or {}, sort_keys=True))
-    if key not in _ENVS:
-        if ref.endswith(".py"):
-            module = load_module_file(ref, ref)
-            if not callable(getattr(module, "load_environment", None)):
-                raise ValueError(f"verifiers environment {ref!r} defines no load_environment()")
-            _ENVS[key] = module.load_environment(**(env_args or {}))
-        else:
-            import verifiers
-
-            _ENVS[key] = verifiers.load_environment(ref, **(env_args or {}))
-    return _ENVS[key]
-
-
-async def score_with_rubric(env, env_input: dict, completion) -> tuple[float, dict]:
-    """(reward, metrics) of `completion` (text, or a list of chat messages) for one input of `env`'s dataset
-    (its row without `question`), by the environment's rubric."""
-    import verifiers
-    from openai import AsyncOpenAI
-
-    client = verifiers.OpenAIChatCompletionsClient(AsyncOpenAI(base_url=_UNUSED_URL, api_key="unused"))
-    state = await env.init_state(dict(env_input), client=client, model="ebpo", sampling_args=None)
-    if isinstance(completion, str):
-        completion = [{"role": "assistant", "content": completion}]
-    state["completion"] = completion
-    await env.rubric.score_rollout(state)
-    return float(state["reward"]), dict(state.get("metrics") or {})
-
+# load_vf_environment and score_with_rubric run inside the verifier sandbox's server: they live in a module that
+# imports no sandbox, and are named here for users
+__all__ = ["load_vf_environment", "score_with_rubric", "verifiers_agent", "verifiers_reward"]
 
 async def verifiers_reward(*, completion: str, metadata, sandbox: str = "auto", timeout_s: float = 10.0,
                            memory_mb: int = 1024, **_) -> RewardResult:
