@@ -407,28 +407,21 @@ def test_a_turn_cut_by_its_budget_finishes_with_length_and_the_raw_choice_has_op
         assert isinstance(body["created"], int) and before <= body["created"] <= after
 
 
-def test_a_failed_request_is_not_sent_again(stub):
-    """An episode's client does not retry: a request that meets a server fault (500) is answered once, with the
-    error, and never decoded a second time."""
-    calls = []
+def test_the_sample_of_a_one_forward_trajectory():
+    """tpf is generated tokens per forward, also when one forward decoded them all (as a RolloutWorker's)."""
+    from ebpo.serve.gateway import _sample
+    from rollout.trajectory import Trajectory
+    from rollout.worker import _multi_turn_sample
 
-    async def agent(client, row):
-        with pytest.raises(openai.InternalServerError):
-            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}])
-        return 1.0
+    def traj():
+        return Trajectory(prompt_ids=[1, 2], ids=[1, 2, 3, 4, 5, 6], generated=[False, False] + [True] * 4,
+                          segment=[0] * 6, turns=[], stop="done", num_forwards=1)
 
-    gw = _fast(stub)
-
-    async def broken(*a):
-        calls.append(a[0])
-        raise RuntimeError("render fault")
-
-    try:
-        gw._render = broken
-        samples, took = _run_bounded(gw, agent, [{"prompt": "g"}], limit_s=30)
-    finally:
-        gw.close()
-    assert len(calls) == 1 and samples[0]["trajectory"]["stop"] == "agent_error"
+    s = _sample(traj(), [], {"reward": 1.0}, 0)
+    assert s["tpf"] == 4.0
+    ref = traj()
+    ref.agent, ref.segments = {"reward": 1.0}, []
+    assert s == _multi_turn_sample(ref, 0)
 
 
 def test_a_request_waiting_when_the_engine_fails_gets_episode_over_not_a_hang(stub):
