@@ -55,12 +55,20 @@ class FakeStream:
 
 
 class StreamingService(EchoService):
-    def __init__(self):
+    """Streams `FakeStream`s, after `setup_s` seconds of set-up (tokenising the prompt), or never (None)."""
+
+    def __init__(self, setup_s: float | None = 0.05):
         super().__init__()
-        self.streams, self.stop_events = [], []
+        self.setup_s, self.streams, self.stop_events, self.cancelled = setup_s, [], [], 0
 
     async def stream(self, req, stop_event=None):
+        self.requests.append(req)
         self.stop_events.append(stop_event)
+        try:
+            await asyncio.sleep(self.setup_s if self.setup_s is not None else 3600)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
         self.streams.append(FakeStream())
         return self.streams[-1]
 
@@ -355,7 +363,54 @@ def test_a_stream_is_sent_as_server_sent_events_and_closed_at_the_end():
     assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
     assert r.text == 'data: {"a": 1}\n\ndata: [DONE]\n\n'
     assert [s.closed for s in service.streams] == [1]
+    (req,) = service.requests
+    assert req.stream and req.model == "echo" and req.config.max_new_tokens == 4
     assert isinstance(service.stop_events[0], asyncio.Event) and not service.stop_events[0].is_set()
+
+
+def test_a_client_gone_while_a_stream_is_set_up_gets_499_and_the_set_up_stops():
+    """Raw ASGI: the body, then the client's disconnect while the service still prepares the stream."""
+    service = StreamingService(setup_s=None)
+    app = create_app(service)
+    sent, messages = [], _body(json.dumps({**BODY, "stream": True}).encode()) + [{"type": "http.disconnect"}]
+
+    async def receive():
+        await asyncio.sleep(0.05)
+        return messages.pop(0) if messages else await asyncio.Event().wait()
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert body["error"]["code"] == "client_closed" and service.cancelled == 1 and service.streams == []
+
+
+def test_shutdown_grace_ends_a_stream_still_being_set_up_with_503():
+    import httpx
+
+    service = StreamingService(setup_s=None)
+    live = BackgroundServer(create_app(service), grace_s=0.3)
+    try:
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
+            live.base_url + "/chat/completions", json={**BODY, "stream": True}, timeout=30)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while not service.requests:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        live.terminate()
+        t.join(10)
+        _error_of(out["r"], 503, "server_shutting_down", type_="server_error")
+        assert service.cancelled == 1
+    finally:
+        live.stop()
 
 
 def test_sse_response_closes_the_stream_when_sending_fails():
