@@ -151,6 +151,9 @@ def test_apply_stop_cuts_before_the_earliest_stop(text, stops, want):
     ("x.STOP", ["STOP", "."], ("x", True)),
     ("ab.", ["b.c", "."], ("a", False)),  # "b." may become "b.c", which starts before "."
     ("ab.d", ["b.c", "."], ("ab", True)),
+    ("xab", ["ab", "abc"], ("x", True)),  # "abc" may still complete, but starts where "ab" already stopped
+    ("maX", [], ("maX", False)),  # only whitespace and U+FFFD are held back
+    ("say XX", ["zz"], ("say XX", False)),
 ])
 def test_stream_cut_holds_back_only_what_may_change(text, stops, want):
     assert stream_cut(text, stops) == want
@@ -370,6 +373,38 @@ def test_a_stream_without_usage_ends_with_done(tok):
     assert "token_ids" not in events[-2]["choices"][0]
 
 
+@pytest.mark.parametrize("before, after", [("", "xyz"), ("ab", "zz"), ("abcd", "wxyz"), ("abc", "")])
+def test_nothing_after_the_eos_is_ever_streamed(tok, before, after):
+    """The tokens a block commits after the EOS are not part of the answer (`sequence_output` cuts them): no
+    delta may carry them, whatever the EOS's place in the block."""
+    eos = tok.eos_token_id
+    answer = ids_of(tok, before) + [eos] + ids_of(tok, after)
+    s = make_service(tok, ScriptedDriver([answer]))
+    choices = [e["choices"][0] for e in _events(_stream(s, req())[1]) if e != "[DONE]"]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == before
+    assert choices[-1]["finish_reason"] == "stop"
+
+
+def test_all_tokenising_runs_in_the_service_s_own_thread(tok, monkeypatch):
+    """docs/serving.md: tokenising runs in the service's tokenising thread, on its own copy of the tokenizer."""
+    threads = []
+    s = make_service(tok, ScriptedDriver([ids_of(tok, "hello world") + [tok.eos_token_id]]))
+    assert s.cpu_tokenizer is not tok
+    for name in ("decode", "apply_chat_template", "__call__"):
+        real = getattr(type(s.cpu_tokenizer), name)
+
+        def spy(self, *a, _real=real, **k):
+            import threading
+
+            threads.append(threading.current_thread().name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(type(s.cpu_tokenizer), name, spy)
+    run(s.complete(req()))
+    _stream(s, req())
+    assert threads and all(t.startswith("ebpo-serve-tokenize") for t in threads), set(threads)
+
+
 def test_a_stop_string_ends_the_streamed_choice_and_aborts_it(tok):
     driver = ScriptedDriver([ids_of(tok, "abcdSTOPefghijkl")], finish=False)
     s = make_service(tok, driver)
@@ -403,6 +438,7 @@ def test_a_failed_sequence_is_an_error_event(tok):
     s = make_service(tok, ScriptedDriver([[]], error=ValueError("boom")))
     events = _events(_stream(s, req())[1])
     err = events[1]["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] is None
     assert err["code"] == "sequence_failed" and err["type"] == "server_error" and "boom" in err["message"]
     assert "choice 0" in err["message"] and events[-1] == "[DONE]" and s.held == 0
 
@@ -423,6 +459,7 @@ def test_the_shutdown_event_ends_a_stream_with_an_error_and_aborts(tok):
 
     events = _events(run(main()))
     assert len(events) == 3 and events[2]["error"]["code"] == "server_shutting_down"
+    assert set(events[2]["error"]) == {"message", "type", "param", "code"} and events[2]["error"]["param"] is None
     assert events[2]["error"]["type"] == "server_error" and "[DONE]" not in events
     assert driver.aborted == driver.futures and s.held == 0
 
