@@ -14,8 +14,9 @@ One command, one table per section, one JSON file. Sections (JSON keys):
                    counts, and on a whole decode step (the model converted in place, eager, same batches);
   likelihood       the learner's forward and backward (`ebpo.core.likelihood.composite_logprobs`, packed,
                    one draw, activation checkpointing) at learner row sizes: ms, tokens/s, peak memory;
-  tensor_parallel  a 2-rank tensor-parallel decode: a row that says why it did not run (one GPU, or no
-                   tensor-parallel runner in this version).
+  tensor_parallel  a 2-rank tensor-parallel decode (`ParallelRolloutWorker`, one rank per GPU) against one
+                   rank: tokens/s, speedup, identical tokens; needs 2 GPUs (`--tp-cpu`: 2 gloo ranks on
+                   the CPU, which checks the row, not its speed).
 A section that fails records its error and the run goes on; exit status 1 when a section failed or a GPU
 test failed. `--budget-s` bounds the whole run: rows that would start past it are recorded as skipped.
 Only the public rollout API (`generate`, `DecodeConfig`) is used.
@@ -371,15 +372,70 @@ def _likelihood_row(model, ids, noise, mask_id: int, dev, warm: bool) -> dict:
     return out
 
 
-def tensor_parallel_section(dev: torch.device) -> dict:
-    """The 2-rank tensor-parallel decode row: why it did not run."""
+def tensor_parallel_section(dev: torch.device, a=None) -> dict:
+    """The 2-rank tensor-parallel decode row: `ParallelRolloutWorker` (rank r on cuda:r, NCCL; or gloo ranks on
+    the CPU with --tp-cpu) against the one-process `RolloutWorker` on the same random-weight preset, prompts and
+    seeds: tokens/s of each (best of two timed calls after a warm-up call), the speedup, and whether every
+    sequence got the same tokens (exact on CPU; bf16 reductions split over ranks may flip a near tie on a GPU).
+    Without 2 GPUs (or --tp-cpu on the CPU) the row says why it did not run."""
     gpus = torch.cuda.device_count() if dev.type == "cuda" else 0
-    if gpus < 2:
+    on_cpu = dev.type != "cuda" and a is not None and a.tp_cpu
+    if gpus < 2 and not on_cpu:
         return {"status": "skipped", "gpus": gpus,
-                "reason": f"needs 2 GPUs, this run has {gpus}" + (" (--device cpu)" if dev.type != "cuda" else "")}
-    return {"status": "not available", "gpus": gpus,
-            "reason": "no tensor-parallel rollout runner in this version (rollout.tensor_parallel is planned by "
-                      "`ebpo plan` only)"}
+                "reason": f"needs 2 GPUs, this run has {gpus}" + (" (--device cpu; --tp-cpu runs 2 CPU ranks)"
+                                                                 if dev.type != "cuda" else "")}
+    from rollout.parallel_worker import ParallelRolloutWorker
+    from rollout.worker import RolloutWorker
+
+    g = torch.Generator().manual_seed(0)
+    spec = f"preset:{a.model}"
+    vocab = _preset_vocab(a.model)
+    batch = max(a.batches)
+    prompts = [torch.randint(8, vocab - 8, (a.prompt_len,), generator=g).tolist() for _ in range(batch)]
+    seeds = list(range(batch))
+    decode = {"preset": a.preset, "temperature": a.temperature, "max_new_tokens": a.new_tokens,
+              "stop_at_eos": False}
+    device = "cuda" if dev.type == "cuda" else "cpu"
+    row = {"status": "ran", "gpus": gpus, "ranks": 2, "batch": batch, "device": device}
+    threads = torch.get_num_threads() if device == "cpu" else None  # CPU: the ranks split the one rank's threads
+    one = RolloutWorker(spec, decode, device=str(dev), num_threads=threads)
+    try:
+        row["one_rank_tokens_per_s"], base = _timed_generate(one, prompts, seeds, dev)
+        weights = {k: v.cpu() for k, v in one.model.state_dict().items()}
+    finally:
+        del one
+    tp = ParallelRolloutWorker(spec, decode, tensor_parallel=2, device=device, weights=weights, num_threads=threads)
+    try:
+        row["two_rank_tokens_per_s"], got = _timed_generate(tp, prompts, seeds, dev)
+    finally:
+        tp.close()
+    row["speedup"] = row["two_rank_tokens_per_s"] / row["one_rank_tokens_per_s"]
+    row["identical_tokens"] = [o["token_ids"] for o in got] == [o["token_ids"] for o in base]
+    return row
+
+
+def _timed_generate(worker, prompts, seeds, dev: torch.device) -> tuple[float, list[dict]]:
+    """(new tokens per second, best of two timed calls after one warm-up call; the last call's samples)."""
+    worker.generate(prompts, seeds)
+    best, outs = float("inf"), []
+    for _ in range(2):
+        _sync(dev)
+        t0 = time.perf_counter()
+        outs = worker.generate(prompts, seeds)
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return sum(len(o["token_ids"]) for o in outs) / best, outs
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _preset_vocab(preset: str) -> int:
+    from ebpo.model import load_preset
+
+    return load_preset(preset).vocab_size
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -443,7 +499,7 @@ def run(a) -> dict:
         result["model"] = {"preset": a.model, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                            "parameters": sum(p.numel() for p in model.parameters())}
         _model_sections(model, a, budget, result, skip)
-    result["tensor_parallel"] = tensor_parallel_section(dev)
+    _section(result, "tensor_parallel", skip, lambda: tensor_parallel_section(dev, a), a.json)
     result["seconds"] = budget.used()
     return result
 
@@ -526,7 +582,9 @@ def print_tables(result: dict) -> None:
         table("FP8 vs bf16", fp8, ["status"])
     table("likelihood forward + backward (learner)", result["likelihood"],
           ["rows", "row_len", "tokens", "forward_ms", "backward_ms", "tokens_per_s", "peak_gb"])
-    table("tensor-parallel decode, 2 ranks", result["tensor_parallel"], ["status", "gpus", "reason"])
+    table("tensor-parallel decode, 2 ranks", result["tensor_parallel"],
+          ["status", "gpus", "batch", "one_rank_tokens_per_s", "two_rank_tokens_per_s", "speedup", "identical_tokens",
+           "reason"])
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:
@@ -560,7 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tests-timeout-s", type=float, default=180.0, help="limit for the GPU tests (default 180)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="rows that would start later are skipped (default 420 s on CUDA, 300 s on CPU)")
-    p.add_argument("--skip", default="", help=f"comma-separated sections to skip, of {', '.join(SECTIONS[1:-1])}")
+    p.add_argument("--skip", default="", help=f"comma-separated sections to skip, of {', '.join(SECTIONS[1:])}")
+    p.add_argument("--tp-cpu", action="store_true",
+                   help="run the tensor-parallel row on 2 CPU ranks (gloo) when there are no 2 GPUs")
     p.add_argument("--json", default=None, help="write the results here")
     return p
 
@@ -581,7 +641,7 @@ def parse_args(argv: list[str]):
     a.learner_rows = _pairs(a.learner_rows)
     unknown = set(filter(None, a.skip.split(","))) - set(SECTIONS)
     if unknown:
-        raise SystemExit(f"ebpo bench gpu: --skip {sorted(unknown)}: allowed: {', '.join(SECTIONS[1:-1])}")
+        raise SystemExit(f"ebpo bench gpu: --skip {sorted(unknown)}: allowed: {', '.join(SECTIONS[1:])}")
     return a
 
 
