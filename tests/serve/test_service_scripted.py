@@ -360,6 +360,7 @@ def test_a_stream_sends_role_deltas_finish_usage_and_done(tok):
         assert all(c["logprobs"] is None for c in mine)
         contents = [c["delta"]["content"] for c in mine[1:-1]]
         assert "".join(contents) == want and len(contents) >= 2, contents  # block by block
+        assert all(contents), "a content delta with no content"
         assert mine[-1]["delta"] == {} and mine[-1]["finish_reason"] == finish
         assert mine[-1]["token_ids"] == answers[i]
     assert s.held == 0 and stream.closed
@@ -403,6 +404,25 @@ def test_all_tokenising_runs_in_the_service_s_own_thread(tok, monkeypatch):
     run(s.complete(req()))
     _stream(s, req())
     assert threads and all(t.startswith("ebpo-serve-tokenize") for t in threads), set(threads)
+
+
+def test_a_streamed_text_that_would_be_taken_back_is_logged(tok, caplog):
+    """If the final text does not continue what was streamed (stream_cut's promise broken), nothing is taken
+    back: a warning names the choice and the choice still ends with its finish_reason."""
+    class Rewriting(ScriptedDriver):
+        def resolve(self, k):
+            self.submitted[k]["on_block"](None, ids_of(tok, "abcd"))
+            self.answers = [ids_of(tok, "vwxyz") + [tok.eos_token_id]]
+            self.submitted[k]["on_block"] = None
+            super().resolve(k)
+
+    s = make_service(tok, Rewriting([[]]))
+    with caplog.at_level("WARNING", logger="ebpo.serve"):
+        choices = [e["choices"][0] for e in _events(_stream(s, req(n=1))[1]) if e != "[DONE]"]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == "abcd"
+    assert choices[-1]["finish_reason"] == "stop"
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "ebpo.serve"]
+    assert "choice 0 " in warning and "not a prefix" in warning
 
 
 def test_a_stop_string_ends_the_streamed_choice_and_aborts_it(tok):
