@@ -350,6 +350,8 @@ def test_a_stream_sends_role_deltas_finish_usage_and_done(tok):
     prompt = len(s.render(req(config=cfg)))
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": prompt, "completion_tokens": 12 + 16,
                                                          "total_tokens": prompt + 28}
+    assert {k: usage[k] for k in ("id", "object", "created", "model")} == {
+        "id": stream.id, "object": "chat.completion.chunk", "created": stream.created, "model": "m"}
     chunks = events[:-2]
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == stream.id and c["model"] == "m"
                and c["created"] == stream.created and len(c["choices"]) == 1 for c in chunks)
@@ -439,6 +441,25 @@ def test_a_stop_string_ends_the_streamed_choice_and_aborts_it(tok):
     assert "".join(c["delta"].get("content", "") for c in choices) == "abcd"
     assert choices[-1]["finish_reason"] == "stop" and sum(c["finish_reason"] is not None for c in choices) == 1
     assert driver.aborted and driver.aborted[0] is driver.futures[0]
+
+
+def test_a_choice_stopped_early_does_not_end_the_others(tok):
+    """Choice 0 meets its stop string while choice 1 still decodes: choice 1 is still streamed to its end."""
+    driver = ScriptedDriver([ids_of(tok, "abcdSTOPefghijkl"), ids_of(tok, "the other one")], finish=False)
+    s = make_service(tok, driver)
+
+    def drive(n):
+        if n == 2:  # both role chunks sent
+            driver.resolve(0)
+            driver.resolve(1)
+
+    events = _events(_stream(s, req(n=2, stop=["STOP"]), drive=drive)[1])
+    assert events[-1] == "[DONE]"
+    finish = {e["choices"][0]["index"]: e["choices"][0]["finish_reason"] for e in events[:-1]
+              if e["choices"][0]["finish_reason"]}
+    assert finish == {0: "stop", 1: "length"}
+    text1 = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"][0]["index"] == 1)
+    assert text1 == "the other one"
 
 
 def test_a_streamed_tool_call_comes_whole_at_the_end(tok):
