@@ -540,7 +540,8 @@ def test_a_request_the_agent_gives_up_on_ends_its_segment_at_that_turn(stub):
 
 def test_a_request_too_long_for_the_canvas_is_refused_and_the_batch_goes_on(stub):
     """A first request longer than the episode's canvas (max_total_tokens plus a block) gets a 400 naming the
-    length; the episode goes on (a shorter request is answered from a new segment) and so does the batch."""
+    length; the episode goes on (after a second refusal, a shorter request is answered from a new segment) and so
+    does the batch."""
     got = []
 
     async def agent(client, row):
@@ -551,6 +552,10 @@ def test_a_request_too_long_for_the_canvas_is_refused_and_the_batch_goes_on(stub
             await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g" * 300}])
         except openai.BadRequestError as e:
             got.append((e.body["code"], "does not fit" in e.body["message"]))
+        try:  # a second refusal (nothing to answer) in a row
+            await client.chat.completions.create(model="p", messages=[{"role": "assistant", "content": "g"}])
+        except openai.BadRequestError as e:
+            got.append((e.body["code"], e.body["param"]))
         await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "gh"}])
         return 0.5
 
@@ -559,7 +564,7 @@ def test_a_request_too_long_for_the_canvas_is_refused_and_the_batch_goes_on(stub
         long, short = _run(gw, agent, n=2)
     finally:
         gw.close()
-    assert got == [("episode_over", True)]
+    assert got == [("episode_over", True), (None, "messages")]
     for s, reward in ((long, 0.5), (short, 1.0)):
         t = s["trajectory"]
         assert not t["failed"] and t["stop"] == "done" and t["env_reward"] == reward and len(t["turns"]) == 1
