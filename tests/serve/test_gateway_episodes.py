@@ -424,6 +424,7 @@ def test_the_sample_of_a_one_forward_trajectory():
     assert s == _multi_turn_sample(ref, 0)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the failing engine thread
 def test_a_request_waiting_when_the_engine_fails_gets_episode_over_not_a_hang(stub):
     """The engine fails while a request waits for its turn: the request gets episode_over naming the failure at
     once (nothing waits forever); the batch then fails with the engine's error."""
