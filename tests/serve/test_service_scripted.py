@@ -393,6 +393,8 @@ def test_all_tokenising_runs_in_the_service_s_own_thread(tok, monkeypatch):
     threads = []
     s = make_service(tok, ScriptedDriver([ids_of(tok, "hello world") + [tok.eos_token_id]]))
     assert s.cpu_tokenizer is not tok
+    # its own copy all the way down: the fast (Rust) tokenizer behind it is not shared between threads
+    assert getattr(s.cpu_tokenizer, "_tokenizer", None) is not getattr(tok, "_tokenizer", None)
     for name in ("decode", "apply_chat_template", "__call__"):
         real = getattr(type(s.cpu_tokenizer), name)
 
@@ -425,6 +427,40 @@ def test_a_streamed_text_that_would_be_taken_back_is_logged(tok, caplog):
     assert choices[-1]["finish_reason"] == "stop"
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "ebpo.serve"]
     assert "choice 0 " in warning and "not a prefix" in warning
+
+
+def test_concurrent_requests_tokenise_one_at_a_time(tok, monkeypatch):
+    """One tokenising thread: the renders of concurrent requests never overlap."""
+    import threading
+    import time
+
+    active, most = [0], [0]
+    lock = threading.Lock()
+    real = service_module.prompt_ids
+
+    def prompt_ids(*a, **k):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.05)
+        with lock:
+            active[0] -= 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(service_module, "prompt_ids", prompt_ids)
+    s = make_service(tok, ScriptedDriver([ids_of(tok, "ok")]))
+
+    async def main():
+        return await asyncio.gather(*(s.complete(req()) for _ in range(4)))
+
+    assert len(run(main())) == 4 and most[0] == 1
+
+
+def test_a_greedy_request_samples_with_no_generator(tok):
+    driver = ScriptedDriver([ids_of(tok, "ok")])
+    s = make_service(tok, driver)
+    run(s.complete(req(n=2, seed=1, config=DecodeConfig(max_new_tokens=16, temperature=0.0))))
+    assert [d["gen"] for d in driver.submitted] == [None, None]
 
 
 def test_a_stop_string_ends_the_streamed_choice_and_aborts_it(tok):
