@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels.cascade
-from kernels.cascade import cascade_attention, merge, rows_part
+from kernels.cascade import cascade_attention, group_prefix_part, merge, rows_part
 
 
 @pytest.fixture(params=["fused", "plain"], autouse=True)
@@ -94,3 +94,13 @@ def test_rows_part_is_masked_softmax_attention_and_merge_of_halves_is_the_whole(
     c = rows_part(q, k[:, 5:], v[:, 5:], keep[..., 5:])
     assert torch.allclose(merge(a[0], a[1], c[0], c[1]), out, atol=_tol(D, N), rtol=0)
     assert torch.allclose(torch.logaddexp(a[1], c[1]), lse, atol=_tol(D, N), rtol=0)
+
+
+def test_no_query_rows_give_empty_outputs():
+    """Zero rows (no queries) is a valid, empty input on both paths; the fused CPU op alone would stop the process."""
+    q = torch.zeros(0, 3, 4, 8)
+    k, v = torch.randn(0, 5, 2, 8), torch.randn(0, 5, 2, 8)
+    out, lse = rows_part(q, k, v, torch.ones(0, 1, 3, 5, dtype=torch.bool))
+    assert out.shape == (0, 3, 4, 8) and lse.shape == (0, 3, 4)
+    out, lse = group_prefix_part(q, torch.randn(5, 2, 8), torch.randn(5, 2, 8), 8 ** -0.5)
+    assert out.shape == (0, 3, 4, 8) and lse.shape == (0, 3, 4)
