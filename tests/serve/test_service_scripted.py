@@ -209,7 +209,8 @@ def test_messages_too_long_in_characters_are_refused_before_tokenising(tok, monk
     assert "721 characters" in e.message and "at least 49 tokens" in e.message and "48" in e.message
     with pytest.raises(RequestError) as err:  # passes the character bound, fails on its tokens
         s.render(req(messages=[{"role": "user", "content": "b" * 720}]))
-    assert err.value.code == "context_length_exceeded" and tokenised == [1]
+    assert (err.value.code, err.value.param, err.value.status) == ("context_length_exceeded", "messages", 400)
+    assert tokenised == [1]
     assert "plus max_tokens (16)" in err.value.message
 
 
@@ -233,9 +234,18 @@ def test_tools_reach_the_prompt_unless_tool_choice_is_none(tok, monkeypatch):
     s.render(req(tools=[CALC], tool_choice="none"))
     s.render(req(tools=[CALC], tool_choice="auto"))
     assert seen == [[CALC], None, [CALC]]
-    with pytest.raises(RequestError) as err:  # nothing to answer: a 400 on messages
+    with pytest.raises(RequestError) as err:  # nothing to answer: a 400 on messages, saying why
         s.render(req(messages=USER + [{"role": "assistant", "content": "x"}]))
-    assert (err.value.status, err.value.param) == (400, "messages")
+    assert (err.value.status, err.value.param) == (400, "messages") and "nothing to answer" in err.value.message
+
+
+def test_a_conversation_is_laid_out_in_the_service_s_blocks(tok):
+    """A multi-turn prompt is what render.prompt_ids lays out with the service's block size and EOS filler."""
+    from ebpo.serve.render import prompt_ids
+
+    talk = USER + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+    s = make_service(tok, ScriptedDriver([[]], max_len=4096), default=DecodeConfig(block_size=4))
+    assert s.render(req(messages=talk)) == prompt_ids(tok, talk, None, 4, tok.eos_token_id)
 
 
 # ---- a completion
@@ -463,6 +473,21 @@ def test_a_greedy_request_samples_with_no_generator(tok):
     assert [d["gen"] for d in driver.submitted] == [None, None]
 
 
+def test_a_greedy_stream_samples_with_no_generator_and_tool_choice_none_streams_by_block(tok):
+    driver = ScriptedDriver([ids_of(tok, "ok")])
+    s = make_service(tok, driver)
+    _stream(s, req(n=2, seed=1, config=DecodeConfig(max_new_tokens=16, temperature=0.0)))
+    assert [d["gen"] for d in driver.submitted] == [None, None]
+    _stream(s, req(tools=[CALC], tool_choice="none"))
+    assert driver.submitted[-1]["on_block"] is not None  # tools unused: the content streams block by block
+
+
+def test_a_failed_choice_adds_no_completion_tokens(tok):
+    s = make_service(tok, ScriptedDriver([[]], error=ValueError("boom")))
+    events = _events(_stream(s, req(n=2, include_usage=True))[1])
+    assert events[-2]["usage"]["completion_tokens"] == 0
+
+
 def test_a_stop_string_ends_the_streamed_choice_and_aborts_it(tok):
     driver = ScriptedDriver([ids_of(tok, "abcdSTOPefghijkl")], finish=False)
     s = make_service(tok, driver)
@@ -568,3 +593,14 @@ def test_close_is_idempotent_and_aborts_what_still_decodes(tok):
     stream = run(main())
     assert driver.aborted == [driver.futures[1]] and s.held == 0 and stream.closed
     assert isinstance(stream, ChatStream)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_make_generators_sample_on_a_cuda_device():
+    """On a GPU the choices' generators live on the model's device (where the engine samples)."""
+    gens = make_generators(2, 3, 1.0, torch.device("cuda", 0))
+    assert all(g.device.type == "cuda" for g in gens)
+    for i, g in enumerate(gens):
+        want = torch.Generator(device="cuda").manual_seed(3 + i)
+        assert torch.equal(torch.rand(4, generator=g, device="cuda"), torch.rand(4, generator=want, device="cuda"))
