@@ -331,8 +331,7 @@ class ChatStream:
         if len(text) <= len(self.sent[i]):
             return []
         if not text.startswith(self.sent[i]):  # stream_cut holds back what could change: this would be a bug
-            log.warning("ebpo serve: streamed text of choice %d is not a prefix of its text; nothing more of it "
-                        "is streamed", i)
+            log.warning("ebpo serve: streamed text of choice %d is not a prefix of its text; streaming stops", i)
             return []
         delta, self.sent[i] = text[len(self.sent[i]):], text
         return [self.chunk(i, {"content": delta})]
