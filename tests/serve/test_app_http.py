@@ -173,7 +173,7 @@ def test_json_content_types_are_accepted(ctype):
     "application/json; charset=utf-8; charset=latin-1", "application/json; charset=",
     "application/json; charset=Xutf-8X", "application/json; charset=x=utf-8",  # not utf-8 either
 ])
-def test_other_content_types_get_415(ctype):
+def test_other_content_types_get_415_unsupported_media_type(ctype):
     request, _ = _request({} if ctype is None else {"Content-Type": ctype})
     with pytest.raises(RequestError) as err:
         check_json_content_type(request)
@@ -206,7 +206,7 @@ def test_a_declared_length_over_the_limit_is_refused_before_reading():
 
 
 @pytest.mark.parametrize("declared", ["abc", "-1", "1e3", "", "0x10"])
-def test_a_content_length_that_is_not_a_number_is_a_400(declared):
+def test_a_content_length_that_is_not_a_number_is_a_400_bad_request(declared):
     request, got = _request({"Content-Length": declared}, _body(b"{}"))
     with pytest.raises(RequestError) as err:
         _read(request, 100)
@@ -391,7 +391,7 @@ def test_a_client_gone_while_a_stream_is_set_up_gets_499_and_the_set_up_stops():
     assert body["error"]["code"] == "client_closed" and service.cancelled == 1 and service.streams == []
 
 
-def test_shutdown_grace_ends_a_stream_still_being_set_up_with_503():
+def test_shutdown_grace_ends_a_stream_still_being_set_up_with_503_unavailable():
     import httpx
 
     service = StreamingService(setup_s=None)
@@ -529,7 +529,7 @@ def test_supervise_passes_on_the_work_s_error():
     assert isinstance(out, RequestError) and out.code == "model_not_found" and not cancelled and others == []
 
 
-def test_a_closing_app_refuses_new_requests_with_503():
+def test_a_closing_app_refuses_new_requests_with_503_unavailable():
     service = EchoService()
     app = create_app(service)
     app.state.shutdown.closing = True
@@ -596,6 +596,7 @@ def test_a_background_server_serves_on_a_free_port_and_drains_on_terminate():
         live.stop()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # uvicorn exits its thread
 def test_a_background_server_on_a_taken_port_fails_at_once():
     first = BackgroundServer(create_app(EchoService()))
     try:

@@ -171,7 +171,7 @@ def test_the_service_reads_its_settings_from_model_driver_and_default(tok):
     assert s2.max_sequences == 2 and s2.block_size == 4 and s2.eos_ids == {tok.eos_token_id}
 
 
-def test_the_bound_on_sequences_is_inclusive_and_answers_429(tok):
+def test_the_bound_on_sequences_is_inclusive_and_answers_429_too_many_requests(tok):
     s = make_service(tok, ScriptedDriver([[]]), max_sequences=4)
     s.reserve(3)
     s.reserve(1)  # 3 + 1 = 4 fits
@@ -298,7 +298,7 @@ def test_tool_calls_come_back_unless_tool_choice_is_none(tok):
     ("tau_delete needs a model with DELETE", "tau_delete", "unsupported_value"),
     ("something else", None, "unsupported_value"),
 ])
-def test_an_engine_refusal_is_a_400(tok, message, param, code):
+def test_an_engine_refusal_is_a_400_bad_request(tok, message, param, code):
     s = make_service(tok, ScriptedDriver([[]], error=ValueError(message)))
     with pytest.raises(RequestError) as err:
         run(s.complete(req(n=2)))
