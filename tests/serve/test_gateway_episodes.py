@@ -48,6 +48,16 @@ def _worker_sample(s):
     return _multi_turn_sample(Trajectory.from_dict(s["trajectory"]), 0)
 
 
+def _one_episode(gw, agent, limit_s: float):
+    """One episode of `agent` on the row {"prompt": "g"}, within `limit_s`; the gateway is closed afterwards:
+    (its trajectory dict, seconds)."""
+    try:
+        samples, took = _run_bounded(gw, agent, [{"prompt": "g"}], limit_s=limit_s)
+    finally:
+        gw.close()
+    return samples[0]["trajectory"], took
+
+
 def test_samples_are_the_rollout_workers_multi_turn_samples(stub):
     """Every sample, a failed episode without turns included, is the dict a RolloutWorker returns for the same
     trajectory: the same keys and values (tpf, finished_by_eos, the last turn's text, lev_drafts, ...)."""
@@ -277,17 +287,13 @@ def test_the_clock_stops_while_a_request_is_answered(stub):
     """A request whose answer takes longer than T (here its rendering) does not expire the episode: the clock
     stops while it is answered."""
     gw = _fast(stub, step_timeout_s=0.3)
-    try:
-        gw.render_tokenizer = _SlowRender(0.8)
+    gw.render_tokenizer = _SlowRender(0.8)
 
-        async def agent(client, row):
-            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}])
-            return 1.0
+    async def agent(client, row):
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "g"}])
+        return 1.0
 
-        samples, _ = _run_bounded(gw, agent, [{"prompt": "g"}], limit_s=30)
-    finally:
-        gw.close()
-    t = samples[0]["trajectory"]
+    t, _ = _one_episode(gw, agent, limit_s=30)
     assert t["stop"] == "done" and not t["failed"] and t["env_reward"] == 1.0 and len(t["turns"]) == 1
 
 
@@ -308,11 +314,7 @@ def test_a_request_more_than_t_after_the_answer_finds_the_episode_over(stub):
         return 1.0
 
     gw = _fast(stub, step_timeout_s=T)
-    try:
-        samples, _ = _run_bounded(gw, agent, [{"prompt": "g"}], limit_s=30)
-    finally:
-        gw.close()
-    t = samples[0]["trajectory"]
+    t, _ = _one_episode(gw, agent, limit_s=30)
     assert codes == ["episode_over"] and t["stop"] == "env_timeout" and not t["failed"] and len(t["turns"]) == 1
 
 
@@ -330,11 +332,7 @@ def test_an_agent_that_ignores_every_cancellation_is_abandoned(stub):
                 continue
 
     gw = _fast(stub, step_timeout_s=T)
-    try:
-        samples, took = _run_bounded(gw, stubborn, [{"prompt": "g"}], limit_s=20)
-    finally:
-        gw.close()
-    t = samples[0]["trajectory"]
+    t, took = _one_episode(gw, stubborn, limit_s=20)
     assert t["stop"] == "agent_timeout" and t["failed"] and len(t["turns"]) == 1
     # 2 T to the cancellation, 1 s for the agent to finish, 1 s more when the loop closes; + 1 s would be a mutant
     assert 2 * T + 2.0 <= took < 2 * T + 2.7, took
@@ -509,11 +507,7 @@ def test_an_agent_that_returns_while_its_request_decodes_ends_the_episode_at_tha
             await asyncio.sleep(0.005)
         return 1.0
 
-    try:
-        samples, took = _run_bounded(gw, agent, [{"prompt": "g"}], limit_s=30)
-    finally:
-        gw.close()
-    t = samples[0]["trajectory"]
+    t, took = _one_episode(gw, agent, limit_s=30)
     assert t["stop"] == "done" and not t["failed"] and len(t["turns"]) == 1 and t["env_reward"] == 1.0
     assert took < 5.0, took
 
@@ -531,11 +525,7 @@ def test_a_request_the_agent_gives_up_on_ends_its_segment_at_that_turn(stub):
         await asyncio.sleep(1.5 * T)
         return 1.0
 
-    try:
-        samples, took = _run_bounded(gw, agent, [{"prompt": "g"}], limit_s=30)
-    finally:
-        gw.close()
-    t = samples[0]["trajectory"]
+    t, took = _one_episode(gw, agent, limit_s=30)
     assert t["stop"] == "done" and not t["failed"] and len(t["turns"]) == 1 and t["env_reward"] == 1.0
 
 
